@@ -1,0 +1,191 @@
+"""Merge kernels shared by every arch (plain SIMT code, no tensor cores).
+
+`AffineMerge`: compose per-segment affine summaries S_end = M S_start + h_ext along each sequence.
+`LseMerge`: combine split-KV partial softmax outputs by log-sum-exp.
+
+Both read the schedulers' segment layout directly: segment (or split) slots of all sequences are
+concatenated along the first axis, and `seg_offsets[n] .. seg_offsets[n+1]` are sequence n's slots
+(the `seg_slot` column of a work tile). A fixed-length problem is the case seg_offsets = [0, S, 2S, ...].
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+
+class AffineMerge:
+    """Start state of every segment and the final state, from per-segment summaries.
+
+    Per (sequence n, head h, V tile of `block_v` columns): S = S0[n, h]; for each segment slot s of n in
+    order: start[s] = S; S = M[s, h] @ S + h_ext[s, h]. Then final[n, h] = S.
+
+    Tensors (fp32, row-major, dynamic leading sizes): M [slots, H, K, K], h_ext [slots, H, K, V],
+    seg_offsets [N + 1] int32, initial_state [N, H, K, V] (read only if `has_initial_state`),
+    start_states [slots, H, K, V], final_state [N, H, K, V].
+
+    One CTA per (V tile, head, sequence); 128 threads, no warp specialization, no pipelines.
+    The running state tile (K x block_v) lives in shared memory; each thread owns `K * block_v / 128`
+    outputs (one column, a run of rows) and accumulates them in registers; M rows are read from global
+    memory with 16-byte loads (the V tiles of one head share them through L2).
+    """
+
+    num_threads = 128
+
+    def __init__(self, k_dim: int, v_dim: int, has_initial_state: bool, block_v: int = 16):
+        if k_dim % 4 or v_dim % block_v:
+            raise ValueError(f"AffineMerge needs K % 4 == 0 and V % {block_v} == 0, got K={k_dim}, V={v_dim}")
+        if (k_dim * block_v) % self.num_threads or self.num_threads % block_v:
+            raise ValueError(f"AffineMerge: K * block_v must be a multiple of {self.num_threads}")
+        self.k_dim = k_dim
+        self.v_dim = v_dim
+        self.block_v = block_v
+        self.has_initial_state = has_initial_state
+        self.rows_per_thread = k_dim * block_v // self.num_threads
+
+    @cute.jit
+    def __call__(
+        self,
+        m: cute.Tensor,
+        h_ext: cute.Tensor,
+        seg_offsets: cute.Tensor,
+        initial_state: cute.Tensor,
+        start_states: cute.Tensor,
+        final_state: cute.Tensor,
+        stream,
+    ):
+        num_seqs = final_state.shape[0]
+        num_heads = final_state.shape[1]
+        self.kernel(m, h_ext, seg_offsets, initial_state, start_states, final_state).launch(
+            grid=[self.v_dim // self.block_v, num_heads, num_seqs],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        m: cute.Tensor,
+        h_ext: cute.Tensor,
+        seg_offsets: cute.Tensor,
+        initial_state: cute.Tensor,
+        start_states: cute.Tensor,
+        final_state: cute.Tensor,
+    ):
+        K, BV, RPT = self.k_dim, self.block_v, self.rows_per_thread
+        tid, _, _ = cute.arch.thread_idx()
+        vt, head, seq = cute.arch.block_idx()
+        col = tid % BV
+        row0 = (tid // BV) * RPT
+        v = vt * BV + col
+
+        smem = cutlass.utils.SmemAllocator()
+        s_tile = smem.allocate_tensor(Float32, cute.make_layout((K, BV), stride=(BV, 1)), 16)
+        acc = cute.make_rmem_tensor((RPT,), Float32)
+
+        # Running state <- initial state (or zero).
+        for i in cutlass.range_constexpr(RPT):
+            if cutlass.const_expr(self.has_initial_state):
+                s_tile[row0 + i, col] = initial_state[seq, head, row0 + i, v]
+            else:
+                s_tile[row0 + i, col] = Float32(0.0)
+        cute.arch.sync_threads()
+
+        for slot in cutlass.range(seg_offsets[seq], seg_offsets[seq + 1]):
+            for i in cutlass.range_constexpr(RPT):
+                start_states[slot, head, row0 + i, v] = s_tile[row0 + i, col]
+                acc[i] = h_ext[slot, head, row0 + i, v]
+            for k4 in cutlass.range(K // 4, unroll=2):
+                s0 = s_tile[4 * k4 + 0, col]
+                s1 = s_tile[4 * k4 + 1, col]
+                s2 = s_tile[4 * k4 + 2, col]
+                s3 = s_tile[4 * k4 + 3, col]
+                for i in cutlass.range_constexpr(RPT):
+                    m_row = cute.local_tile(m[slot, head, row0 + i, None], (4,), (k4,))
+                    m4 = cute.make_rmem_tensor((4,), Float32)
+                    cute.autovec_copy(m_row, m4)
+                    acc[i] = acc[i] + m4[0] * s0 + m4[1] * s1 + m4[2] * s2 + m4[3] * s3
+            cute.arch.sync_threads()
+            for i in cutlass.range_constexpr(RPT):
+                s_tile[row0 + i, col] = acc[i]
+            cute.arch.sync_threads()
+
+        for i in cutlass.range_constexpr(RPT):
+            final_state[seq, head, row0 + i, v] = s_tile[row0 + i, col]
+
+
+class LseMerge:
+    """Merge split partials (o_s normalized within split s, lse_s) into o and lse.
+
+    o = sum_s exp(lse_s - m) o_s / sum_s exp(lse_s - m), lse = m + log(sum_s exp(lse_s - m)), m = max_s lse_s;
+    a row whose splits are all empty (lse = -inf) gives o = 0, lse = -inf.
+
+    Tensors: o_partial [slots, R, D] fp32, lse_partial [slots, R] fp32, seg_offsets [N + 1] int32,
+    o [N, R, D] (`out_dtype`), lse [N, R] fp32. Row r of sequence n merges slots seg_offsets[n]..[n+1].
+
+    One group of `lanes` threads (D / 4 rounded up to a power of two) per row, 4 contiguous elements per
+    lane loaded with one 16-byte load; 128 threads per CTA. Two passes over the splits: max, then the
+    weighted sum. No shared memory, no pipelines.
+    """
+
+    num_threads = 128
+
+    def __init__(self, head_dim: int, out_dtype):
+        if head_dim % 4 or head_dim > 4 * self.num_threads:
+            raise ValueError(f"LseMerge supports head dims that are multiples of 4 up to 512, got {head_dim}")
+        self.head_dim = head_dim
+        self.out_dtype = out_dtype
+        self.lanes = 1 << max(0, math.ceil(math.log2(head_dim // 4)))
+        self.rows_per_cta = self.num_threads // self.lanes
+
+    @cute.jit
+    def __call__(self, o_partial: cute.Tensor, lse_partial: cute.Tensor, seg_offsets: cute.Tensor,
+                 o: cute.Tensor, lse: cute.Tensor, stream):
+        rows = o.shape[1]
+        self.kernel(o_partial, lse_partial, seg_offsets, o, lse).launch(
+            grid=[(rows + self.rows_per_cta - 1) // self.rows_per_cta, o.shape[0], 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, o_partial: cute.Tensor, lse_partial: cute.Tensor, seg_offsets: cute.Tensor,
+               o: cute.Tensor, lse: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        rb, seq, _ = cute.arch.block_idx()
+        lane = tid % self.lanes
+        row = rb * self.rows_per_cta + tid // self.lanes
+        if row < o.shape[1]:
+            first = seg_offsets[seq]
+            last = seg_offsets[seq + 1]
+            m = -Float32.inf
+            for s in cutlass.range(first, last):
+                m = cute.arch.fmax(m, lse_partial[s, row])
+            acc = cute.make_rmem_tensor((4,), Float32)
+            acc.fill(0.0)
+            wsum = Float32(0.0)
+            active = lane * 4 < self.head_dim
+            if m > -Float32.inf:
+                for s in cutlass.range(first, last):
+                    w = cute.math.exp(lse_partial[s, row] - m, fastmath=False)
+                    wsum = wsum + w
+                    if active:
+                        part = cute.make_rmem_tensor((4,), Float32)
+                        cute.autovec_copy(cute.local_tile(o_partial[s, row, None], (4,), (lane,)), part)
+                        for j in cutlass.range_constexpr(4):
+                            acc[j] = acc[j] + w * part[j]
+                inv = Float32(1.0) / wsum
+                for j in cutlass.range_constexpr(4):
+                    acc[j] = acc[j] * inv
+            if active:
+                out = cute.make_rmem_tensor((4,), self.out_dtype)
+                out.store(acc.load().to(self.out_dtype))
+                cute.autovec_copy(out, cute.local_tile(o[seq, row, None], (4,), (lane,)))
+            if lane == 0:
+                if m > -Float32.inf:
+                    lse[seq, row] = m + cute.math.log(wsum, fastmath=False)
+                else:
+                    lse[seq, row] = m

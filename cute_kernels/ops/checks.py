@@ -1,0 +1,68 @@
+"""Input checks shared by the ops: every message names the argument."""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime.arch import device_arch
+
+
+def check_tensor(name: str, t, *, dtypes=None, ndim=None, min_ndim=None, contiguous=True, align=16):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimensions, got shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
+    if align and t.is_cuda and t.data_ptr() % align:
+        raise ValueError(f"{name} must start at a {align}-byte aligned address (a sliced view is not)")
+    return t
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple):
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_cuda(**tensors) -> torch.device:
+    """All tensors on one CUDA device of a supported arch; returns that device."""
+    device = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be on a CUDA device, got {t.device} (the references in "
+                             f"cute_kernels.reference run on the CPU)")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+    device_arch(device)
+    return device
+
+
+def offsets_tensor(name: str, offsets, slots: int, device) -> tuple[torch.Tensor, int]:
+    """`offsets` (list, tuple or 1-D int tensor [N+1]) as an int32 tensor on `device`, and N.
+
+    A list/tuple or CPU tensor is checked fully (starts at 0, non-decreasing, ends at `slots`); a CUDA
+    tensor is taken as is (checking its values would cost a device sync), only its dtype and rank.
+    """
+    if isinstance(offsets, (list, tuple)) or (isinstance(offsets, torch.Tensor) and not offsets.is_cuda):
+        vals = [int(x) for x in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets)]
+        if len(vals) < 2 or vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])) or vals[-1] != slots:
+            raise ValueError(f"{name} must start at 0, be non-decreasing and end at {slots}, got {vals[:8]}"
+                             f"{'...' if len(vals) > 8 else ''}")
+        return torch.tensor(vals, dtype=torch.int32, device=device), len(vals) - 1
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"{name} must be a list of ints or a 1-D integer tensor, got {type(offsets).__name__}")
+    if offsets.dtype not in (torch.int32, torch.int64) or offsets.dim() != 1 or offsets.numel() < 2:
+        raise TypeError(f"{name} must be a 1-D int32/int64 tensor with >= 2 entries, got {offsets.dtype} "
+                        f"{tuple(offsets.shape)}")
+    if offsets.device != device:
+        raise ValueError(f"{name} is on {offsets.device} but the other inputs are on {device}")
+    return offsets.to(torch.int32).contiguous(), offsets.numel() - 1

@@ -1,0 +1,133 @@
+"""Torch-callable merges: `affine_merge` (segment summaries) and `lse_merge` (split-KV partials)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
+from .checks import check_cuda, check_shape, check_tensor, offsets_tensor
+
+OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _outputs(out, *specs):
+    """New tensors for `specs` (name, shape, dtype), or the user's `out` tuple after checking it."""
+    *specs, device = specs
+    if out is None:
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype in specs)
+    if not isinstance(out, (tuple, list)) or len(out) != len(specs):
+        raise TypeError(f"out must be a tuple of {len(specs)} tensors ({', '.join(n for n, _, _ in specs)})")
+    for t, (name, shape, dtype) in zip(out, specs):
+        check_tensor(f"out[{name}]", t, dtypes=(dtype,), align=4)
+        check_shape(f"out[{name}]", t, shape)
+        if t.device != device:
+            raise ValueError(f"out[{name}] is on {t.device} but the inputs are on {device}")
+    return tuple(out)
+
+
+def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, dump_dir=None):
+    from ..kernels.merge import AffineMerge
+    from ..runtime.arch import import_cutlass
+
+    cutlass = import_cutlass()
+    f32, i32 = cutlass.Float32, cutlass.Int32
+    kernel = AffineMerge(k_dim, v_dim, has_initial_state)
+    args = (
+        fake_tensor(f32, (DYN, DYN, k_dim, k_dim)),
+        fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
+        fake_tensor(i32, (DYN,), align=4),
+        fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
+        fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
+        fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
+        fake_stream(),
+    )
+    return compile_kernel(("affine_merge", k_dim, v_dim, has_initial_state), kernel, *args, dump_dir=dump_dir)
+
+
+def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None):
+    """Start state of every segment and each sequence's final state from segment summaries.
+
+    M `[slots, H, K, K]` and h_ext `[slots, H, K, V]` (fp32): segment s maps its start state to its end state,
+    S_end = M[s] @ S_start + h_ext[s]. `seg_offsets` `[N + 1]`: sequence n owns slots seg_offsets[n] ..
+    seg_offsets[n+1] - 1, in order (a schedule's `seg_offsets`). initial_state `[N, H, K, V]` fp32 or None (zeros).
+    Returns (start_states `[slots, H, K, V]`, final_state `[N, H, K, V]`), fp32; `out=(start_states,
+    final_state)` writes into given tensors instead.
+    """
+    check_tensor("M", M, dtypes=(torch.float32,), ndim=4)
+    check_tensor("h_ext", h_ext, dtypes=(torch.float32,), ndim=4)
+    slots, H, K, K2 = M.shape
+    if K != K2:
+        raise ValueError(f"M must be [slots, H, K, K], got shape {tuple(M.shape)}")
+    V = h_ext.shape[-1]
+    check_shape("h_ext", h_ext, (slots, H, K, V))
+    if K % 4 or V % 16 or K * 16 % 128:
+        raise ValueError(f"affine_merge supports K a multiple of 8 and V a multiple of 16, got K={K}, V={V}")
+    device = check_cuda(M=M, h_ext=h_ext, initial_state=initial_state)
+    offsets, N = offsets_tensor("seg_offsets", seg_offsets, slots, device)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4)
+        check_shape("initial_state", initial_state, (N, H, K, V))
+    start_states, final_state = _outputs(
+        out, ("start_states", (slots, H, K, V), torch.float32), ("final_state", (N, H, K, V), torch.float32), device
+    )
+    if N == 0 or H == 0:
+        return start_states, final_state
+    compiled = compile_affine_merge(K, V, initial_state is not None)
+    init = initial_state if initial_state is not None else final_state  # not read without initial state
+    compiled.fn(M, h_ext, offsets, init, start_states, final_state)
+    return start_states, final_state
+
+
+def compile_lse_merge(head_dim: int, out_dtype: torch.dtype, dump_dir=None):
+    from ..kernels.merge import LseMerge
+    from ..runtime.arch import import_cutlass
+
+    cutlass = import_cutlass()
+    f32, i32 = cutlass.Float32, cutlass.Int32
+    out = cutlass_dtype(out_dtype)
+    kernel = LseMerge(head_dim, out)
+    args = (
+        fake_tensor(f32, (DYN, DYN, head_dim)),
+        fake_tensor(f32, (DYN, DYN), align=4),
+        fake_tensor(i32, (DYN,), align=4),
+        fake_tensor(out, (DYN, DYN, head_dim), align=8 if out_dtype != torch.float32 else 16),
+        fake_tensor(f32, (DYN, DYN), align=4),
+        fake_stream(),
+    )
+    return compile_kernel(("lse_merge", head_dim, str(out_dtype)), kernel, *args, dump_dir=dump_dir)
+
+
+def lse_merge(o_partial, lse_partial, seg_offsets=None, out_dtype=torch.bfloat16, *, out=None):
+    """Merge split-KV partial outputs by log-sum-exp.
+
+    o_partial `[slots, *rows, D]` fp32 (each split's normalized output), lse_partial `[slots, *rows]` fp32
+    (natural log; -inf for an empty split). Without `seg_offsets` all slots are splits of every row:
+    returns (o `[*rows, D]` in `out_dtype`, lse `[*rows]` fp32). With `seg_offsets` `[N + 1]` (a schedule's
+    layout: sequence n owns slots seg_offsets[n] .. seg_offsets[n+1] - 1): returns o `[N, *rows, D]` and
+    lse `[N, *rows]`. A row with only empty splits gives o = 0 and lse = -inf. `out=(o, lse)` writes into
+    given tensors instead.
+    """
+    check_tensor("o_partial", o_partial, dtypes=(torch.float32,), min_ndim=2)
+    check_tensor("lse_partial", lse_partial, dtypes=(torch.float32,), min_ndim=1, align=4)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    check_shape("lse_partial", lse_partial, o_partial.shape[:-1])
+    slots, rows_shape, D = o_partial.shape[0], tuple(o_partial.shape[1:-1]), o_partial.shape[-1]
+    if D % 4 or D > 512:
+        raise ValueError(f"lse_merge supports head dims that are multiples of 4 up to 512, got D={D}")
+    device = check_cuda(o_partial=o_partial, lse_partial=lse_partial)
+    if seg_offsets is None:
+        offsets, N = offsets_tensor("seg_offsets", [0, slots], slots, device)
+        out_shape = rows_shape
+    else:
+        offsets, N = offsets_tensor("seg_offsets", seg_offsets, slots, device)
+        out_shape = (N,) + rows_shape
+    R = 1
+    for r in rows_shape:
+        R *= r
+    o, lse = _outputs(out, ("o", out_shape + (D,), out_dtype), ("lse", out_shape, torch.float32), device)
+    if R == 0 or N == 0:
+        return o, lse
+    compiled = compile_lse_merge(D, out_dtype)
+    compiled.fn(o_partial.view(slots, R, D), lse_partial.view(slots, R), offsets, o.view(N, R, D), lse.view(N, R))
+    return o, lse

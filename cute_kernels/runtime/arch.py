@@ -1,0 +1,63 @@
+"""Which GPU architecture we compile for, and importing CuTe DSL with it set.
+
+CuTe DSL reads `CUTE_DSL_ARCH` when `cutlass` is first imported. On a GPU machine we set it from the
+device's compute capability; on a CPU-only machine the caller sets it (`sm_90a` or `sm_100a`) to compile
+without running. Nothing here launches work on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
+
+
+class UnsupportedDeviceError(RuntimeError):
+    """No usable GPU: not CUDA, or not SM90 / SM100."""
+
+
+def arch_of_capability(major: int, minor: int) -> str | None:
+    if (major, minor) == (9, 0):
+        return "sm_90a"
+    if major == 10 and minor in (0, 3):
+        return "sm_100a"
+    return None
+
+
+def device_arch(device=None) -> str:
+    """The arch string of a CUDA device; raises UnsupportedDeviceError if there is none we support."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UnsupportedDeviceError(
+            "no CUDA GPU is available: cute_kernels ops need an SM90 (Hopper) or SM100 (Blackwell) GPU; "
+            "the float64 references in cute_kernels.reference run anywhere"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = arch_of_capability(major, minor)
+    if arch is None:
+        raise UnsupportedDeviceError(
+            f"GPU {torch.cuda.get_device_name(device)} is sm_{major}{minor}: cute_kernels supports sm_90a and sm_100a"
+        )
+    return arch
+
+
+def target_arch() -> str:
+    """The arch CuTe DSL compiles for in this process: `CUTE_DSL_ARCH` if set, else the current GPU's."""
+    env = os.environ.get("CUTE_DSL_ARCH")
+    if env:
+        if env not in SUPPORTED_ARCHS:
+            raise UnsupportedDeviceError(f"CUTE_DSL_ARCH={env!r}: supported are {SUPPORTED_ARCHS}")
+        return env
+    return device_arch()
+
+
+def import_cutlass():
+    """Import `cutlass` with `CUTE_DSL_ARCH` set (from the GPU when the caller did not set it)."""
+    import sys
+
+    if "cutlass" not in sys.modules:
+        os.environ.setdefault("CUTE_DSL_ARCH", target_arch())
+    import cutlass
+
+    return cutlass

@@ -1,0 +1,132 @@
+"""Compile once per (kernel, config, static shapes, arch), cache, call with torch tensors (TVM-FFI).
+
+Kernels are compiled against fake tensors, so compiling needs no GPU: dynamic sizes become runtime
+arguments of the compiled function, static ones are baked in. The compiled function takes torch tensors
+directly and launches on torch's current stream, so the host cost per call stays in microseconds.
+
+`CUTE_KERNELS_DUMP_DIR`, when set, keeps each compiled variant's PTX and cubin there.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import struct
+import tempfile
+import threading
+from dataclasses import dataclass
+
+from .arch import import_cutlass, target_arch
+
+_cache: dict = {}
+_lock = threading.Lock()
+
+DYN = None  # a dynamic extent in `fake_tensor` shapes
+
+
+def _makedirs(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def cutlass_dtype(torch_dtype):
+    import torch
+
+    cutlass = import_cutlass()
+    table = {
+        torch.float32: cutlass.Float32,
+        torch.float16: cutlass.Float16,
+        torch.bfloat16: cutlass.BFloat16,
+        torch.int32: cutlass.Int32,
+        torch.int64: cutlass.Int64,
+    }
+    if torch_dtype not in table:
+        raise TypeError(f"no CuTe DSL type for {torch_dtype}")
+    return table[torch_dtype]
+
+
+def fake_tensor(dtype, shape, align: int = 16):
+    """A row-major fake tensor for `cute.compile`; `None` entries in `shape` are dynamic extents."""
+    import_cutlass()
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    shape = tuple(cute.sym_int() if s is None else s for s in shape)
+    order = tuple(reversed(range(len(shape))))
+    return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
+
+
+def fake_stream():
+    import_cutlass()
+    from cutlass.cute.runtime import make_fake_stream
+
+    return make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+@dataclass
+class Compiled:
+    fn: object
+    ptx_path: str | None = None
+    cubin_path: str | None = None
+
+
+def compile_kernel(key: tuple, kernel, *fake_args, dump_dir: str | None = None) -> Compiled:
+    """`cute.compile(kernel, *fake_args)` once per key (the key must name everything that is static)."""
+    arch = target_arch()
+    full_key = (arch,) + key
+    with _lock:
+        hit = _cache.get(full_key)
+    if hit is not None and dump_dir is None:
+        return hit
+    import_cutlass()
+    import cutlass.cute as cute
+
+    dump_dir = dump_dir or os.environ.get("CUTE_KERNELS_DUMP_DIR")
+    options = "--enable-tvm-ffi"
+    if dump_dir:
+        dump_dir = tempfile.mkdtemp(prefix="variant_", dir=_makedirs(dump_dir))
+        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    fn = cute.compile(kernel, *fake_args, options=options)
+    out = Compiled(fn)
+    if dump_dir:
+        out.ptx_path = next(iter(sorted(glob.glob(os.path.join(dump_dir, "*.ptx")))), None)
+        out.cubin_path = next(iter(sorted(glob.glob(os.path.join(dump_dir, "*.cubin")))), None)
+    with _lock:
+        _cache[full_key] = out
+    return out
+
+
+def cubin_register_counts(path: str) -> dict[str, int]:
+    """Registers per kernel, read from a cubin (ELF): EIATTR_REGCOUNT records of the `.nv.info` section."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        return {}
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    sections = {}
+    headers = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    shstr = headers[shstrndx]
+    for h in headers:
+        name = data[shstr[4] + h[0] : data.index(b"\0", shstr[4] + h[0])].decode()
+        sections[name] = data[h[4] : h[4] + h[5]]
+    strtab, symtab = sections.get(".strtab", b""), sections.get(".symtab", b"")
+    symbols = []
+    for i in range(0, len(symtab), 24):
+        off = struct.unpack_from("<I", symtab, i)[0]
+        symbols.append(strtab[off : strtab.index(b"\0", off)].decode())
+    info, i, out = sections.get(".nv.info", b""), 0, {}
+    while i + 4 <= len(info):
+        fmt, attr = info[i], info[i + 1]
+        if fmt == 4:  # EIFMT_SVAL: u16 size, payload
+            size = struct.unpack_from("<H", info, i + 2)[0]
+            if attr == 0x2F and size == 8:  # EIATTR_REGCOUNT: (symbol index, registers)
+                sym, regs = struct.unpack_from("<II", info, i + 4)
+                if sym < len(symbols):
+                    out[symbols[sym]] = regs
+            i += 4 + size
+        elif fmt == 1:
+            i += 2
+        else:
+            i += 4
+    return out

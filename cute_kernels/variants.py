@@ -1,0 +1,52 @@
+"""Every compiled variant of the project, for `python -m cute_kernels compile` and the compile tests.
+
+A variant is (op, name, compile function, PTX patterns that must appear). Compile functions build fake
+tensors, so this needs no GPU; `CUTE_DSL_ARCH` must be set before the first `import cutlass`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Variant:
+    op: str
+    name: str
+    compile: Callable  # (dump_dir) -> runtime.compile.Compiled
+    ptx_must_have: tuple[str, ...] = ()       # substrings, any arch
+    ptx_must_have_sm90: tuple[str, ...] = ()
+    ptx_must_have_sm100: tuple[str, ...] = ()
+
+    def required(self, arch: str) -> tuple[str, ...]:
+        extra = self.ptx_must_have_sm90 if arch.startswith("sm_90") else self.ptx_must_have_sm100
+        return (f".target {arch}",) + self.ptx_must_have + extra
+
+
+def all_variants() -> list[Variant]:
+    import torch
+
+    from .ops.merge import compile_affine_merge, compile_lse_merge
+
+    out = []
+    for k, v, init in [(128, 128, True), (128, 128, False), (64, 64, True)]:
+        out.append(Variant(
+            "affine_merge", f"affine_merge_k{k}_v{v}{'_init' if init else ''}",
+            lambda d, k=k, v=v, init=init: compile_affine_merge(k, v, init, dump_dir=d),
+            ptx_must_have=("ld.global.v4", "fma.rn.f32", "bar.sync"),
+        ))
+    for dim, dt in [(128, torch.bfloat16), (128, torch.float16), (128, torch.float32), (64, torch.bfloat16)]:
+        tag = str(dt).replace("torch.", "")
+        out.append(Variant(
+            "lse_merge", f"lse_merge_d{dim}_{tag}",
+            lambda d, dim=dim, dt=dt: compile_lse_merge(dim, dt, dump_dir=d),
+            ptx_must_have=("ld.global.v4", "ex2.approx"),
+        ))
+    try:
+        from schedulers.probe import probe_variants
+    except ImportError:
+        probe_variants = None
+    if probe_variants is not None:
+        out += probe_variants(Variant)
+    return out

@@ -1,0 +1,26 @@
+"""Tile schedulers: which CTA does which (sequence, head, block, segment, chunk range).
+
+Host half (pure Python): `Problem` -> `SequenceScheduler` / `SegmentScheduler` / `PersistentScheduler`
+-> `Schedule` (ordered tile table + grid); `plan_segments` picks segment counts and explains why.
+Device half (CuTe DSL, imported lazily): `schedulers.device.TileScheduler`.
+"""
+
+from .heuristics import SegmentPlan, plan_segments
+from .host import PersistentScheduler, Schedule, SegmentScheduler, SequenceScheduler
+from .problem import NUM_TILE_FIELDS, TILE_FIELDS, Problem, Segmentation, WorkTile, ceil_div, split_even
+
+__all__ = [
+    "NUM_TILE_FIELDS",
+    "PersistentScheduler",
+    "Problem",
+    "Schedule",
+    "SegmentPlan",
+    "SegmentScheduler",
+    "Segmentation",
+    "SequenceScheduler",
+    "TILE_FIELDS",
+    "WorkTile",
+    "ceil_div",
+    "plan_segments",
+    "split_even",
+]

@@ -1,0 +1,105 @@
+"""Device half of the schedulers (CuTe DSL): one object every kernel uses, whatever made its tile table.
+
+Inside a `@cute.kernel`:
+
+    sched = TileScheduler.create(tile_table, num_tiles, persistent)   # persistent: a Constexpr bool
+    work = sched.initial_work()
+    while work.is_valid:
+        ...  # work.seq, work.head, work.chunk_start, ...
+        work = sched.advance(work)
+
+`tile_table` is a Schedule's int32 table [num_tiles, NUM_TILE_FIELDS] (columns `TILE_FIELDS`), `num_tiles`
+its row count. Non-persistent grids give CTA b tile b; persistent grids give CTA b tiles b, b + grid, ...
+Host side: `grid_shape(schedule)`.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from .problem import NUM_TILE_FIELDS, TILE_FIELDS
+
+
+def grid_shape(schedule) -> tuple[int, int, int]:
+    """The launch grid of a Schedule (host side)."""
+    return tuple(schedule.grid)
+
+
+class WorkTileDevice:
+    """A work tile's fields as Int32 values, read from the tile table, plus a validity flag.
+
+    Carried through `while` loops: it flattens to its index only (fields are re-read from the table).
+    """
+
+    def __init__(self, table: cute.Tensor, index, num_tiles):
+        self._table = table
+        self._num_tiles = num_tiles
+        self.index = Int32(index)
+
+    @property
+    def is_valid(self):
+        return self.index < self._num_tiles
+
+    def field(self, name: str):
+        return self._table[self.index, TILE_FIELDS.index(name)]
+
+    # One property per column, e.g. work.seq, work.chunk_start.
+    seq = property(lambda self: self.field("seq"))
+    head = property(lambda self: self.field("head"))
+    block = property(lambda self: self.field("block"))
+    segment = property(lambda self: self.field("segment"))
+    num_segments = property(lambda self: self.field("num_segments"))
+    seg_slot = property(lambda self: self.field("seg_slot"))
+    chunk_start = property(lambda self: self.field("chunk_start"))
+    chunk_end = property(lambda self: self.field("chunk_end"))
+    tok_start = property(lambda self: self.field("tok_start"))
+    tok_end = property(lambda self: self.field("tok_end"))
+
+    @property
+    def is_first_segment(self):
+        return self.segment == 0
+
+    @property
+    def is_last_segment(self):
+        return self.segment == self.num_segments - 1
+
+    def __extract_mlir_values__(self):
+        return [self.index.ir_value()]
+
+    def __new_from_mlir_values__(self, values):
+        return WorkTileDevice(self._table, Int32(values[0]), self._num_tiles)
+
+
+class TileScheduler:
+    """Device-side scheduler over a tile table (see the module docstring)."""
+
+    def __init__(self, table: cute.Tensor, num_tiles, persistent: bool):
+        self.table = table
+        self.num_tiles = num_tiles
+        self.persistent = persistent
+
+    @staticmethod
+    def create(table: cute.Tensor, num_tiles, persistent: bool = False) -> "TileScheduler":
+        return TileScheduler(table, num_tiles, persistent)
+
+    def initial_work(self) -> WorkTileDevice:
+        bid, _, _ = cute.arch.block_idx()
+        return WorkTileDevice(self.table, bid, self.num_tiles)
+
+    def advance(self, work: WorkTileDevice) -> WorkTileDevice:
+        if cutlass.const_expr(self.persistent):
+            grid, _, _ = cute.arch.grid_dim()
+            return WorkTileDevice(self.table, work.index + grid, self.num_tiles)
+        return WorkTileDevice(self.table, self.num_tiles, self.num_tiles)
+
+    def get_current_work(self, work: WorkTileDevice) -> WorkTileDevice:
+        return work
+
+    # Loop-invariant: nothing to carry through `while` loops (its values are defined before the loop).
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Build, check and time on the GPU machine in one call (see README "Running on the H200").
+# Usage (from the repo root, after `source .wheelhouse/b/install.sh`):
+#   bash scripts/device_check.sh [tests] [bench-small] [bench-seed] ...
+# Logs and JSON go to $OUT (or ./device_out), so they come back with the call.
+set -uo pipefail
+out=${OUT:-device_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 CUTE_KERNELS_DUMP_DIR=${CUTE_KERNELS_DUMP_DIR:-/tmp/ck_dump}
+stages=${*:-tests}
+status=0
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv,noheader | tee "$out/gpu.txt"
+for stage in $stages; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  case "$stage" in
+    tests)
+      python3 -m pytest tests -q -x -p no:cacheprovider -k "not test_compile" 2>&1 | tee "$out/tests.log" | tail -25
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    gpu-tests)
+      python3 -m pytest tests -q -p no:cacheprovider -m "not compile" -k "gpu or merge or probe" 2>&1 | tee "$out/gpu_tests.log" | tail -25
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    bench-*)
+      spec=${stage#bench-}; op=${spec%%-*}; grid=${spec#*-}
+      python3 -m benchmarks.sweep --op "$op" --grid "$grid" --out "$out" 2>&1 | tee "$out/bench_${op}_${grid}.log" | tail -40
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+echo "=== done, status $status"
+exit $status

@@ -21,7 +21,7 @@ for stage in $stages; do
       status=$((status | ${PIPESTATUS[0]})) ;;
     bench-*)
       spec=${stage#bench-}; op=${spec%%-*}; grid=${spec#*-}
-      python3 -m benchmarks.sweep --op "$op" --grid "$grid" --out "$out" 2>&1 | tee "$out/bench_${op}_${grid}.log" | tail -40
+      python3 -m benchmarks.sweep --op "$op" --grid "$grid" --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench_${op}_${grid}.log" | tail -40
       status=$((status | ${PIPESTATUS[0]})) ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

@@ -1,0 +1,169 @@
+"""Input builders and callables for the benchmarked ops.
+
+Each op has
+    * ``make_inputs(op, B, H, T, dtype, device)`` -> dict of fresh random tensors,
+    * an "ours" callable from ``cute_kernels`` (may be missing: :func:`load_ours` returns None),
+    * a peer callable (:func:`load_peer`): FLA 0.6.0 for kda / gdn, torch SDPA for decode.
+
+Both sides get exactly the same tensors and arguments.  Input choices:
+    * q and k are L2-normalised per token outside the kernels (no ``use_qk_l2norm_in_kernel``).
+    * g is the per-step log decay ``logsigmoid(randn)`` clamped to [-5, 0), in fp32.  FLA is called
+      with its default ``safe_gate=False`` (no range contract); ``--fla-safe-gate`` switches the peer
+      to ``safe_gate=True, lower_bound=-5``, whose contract (gates in [-5, 0)) these inputs meet.
+    * beta = sigmoid(randn) in (0, 1), in the io dtype.
+    * output_final_state=True on both sides, no initial state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.roofline import GQA_RATIO, HEAD_DIM
+
+OPS = ("kda", "gdn", "decode")
+OURS_ATTR = {"kda": "chunk_kda", "gdn": "chunk_gated_delta_rule", "decode": "decode_attention"}
+GATE_LOWER_BOUND = -5.0
+FLA_VERSION = "0.6.0"
+
+# Exceptions meaning "ours is not available for this cell" rather than "ours is broken".
+NOT_AVAILABLE = (NotImplementedError, ImportError)
+
+
+def make_inputs(op: str, B: int, H: int, T: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """Fresh random inputs for one call of ``op`` on cell (B, H, T)."""
+    D = HEAD_DIM
+    if op in ("kda", "gdn"):
+        q = F.normalize(torch.randn(B, T, H, D, device=device, dtype=torch.float32), dim=-1).to(dtype)
+        k = F.normalize(torch.randn(B, T, H, D, device=device, dtype=torch.float32), dim=-1).to(dtype)
+        v = torch.randn(B, T, H, D, device=device, dtype=dtype)
+        g_shape = (B, T, H, D) if op == "kda" else (B, T, H)
+        g = F.logsigmoid(torch.randn(g_shape, device=device, dtype=torch.float32)).clamp_(min=GATE_LOWER_BOUND)
+        beta = torch.sigmoid(torch.randn(B, T, H, device=device, dtype=torch.float32)).to(dtype)
+        return {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    if op == "decode":
+        Hq = GQA_RATIO * H
+        return {
+            "q": torch.randn(B, 1, Hq, D, device=device, dtype=dtype),
+            "k": torch.randn(B, T, H, D, device=device, dtype=dtype),
+            "v": torch.randn(B, T, H, D, device=device, dtype=dtype),
+        }
+    raise ValueError(f"unknown op {op!r}")
+
+
+def inputs_nbytes(inputs: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in inputs.values())
+
+
+# --------------------------------------------------------------------------- ours
+
+
+def load_ours(op: str) -> tuple[Callable | None, str]:
+    """The ``cute_kernels`` function for ``op``, or (None, why) when it does not exist."""
+    try:
+        import cute_kernels
+    except ImportError as e:
+        return None, f"cute_kernels not importable: {e}"
+    fn = getattr(cute_kernels, OURS_ATTR[op], None)
+    if fn is None:
+        return None, f"cute_kernels.{OURS_ATTR[op]} does not exist"
+    return fn, ""
+
+
+def call_ours(op: str, fn: Callable, x: dict[str, torch.Tensor]) -> Any:
+    if op in ("kda", "gdn"):
+        return fn(
+            x["q"], x["k"], x["v"], x["g"], x["beta"],
+            scale=None, initial_state=None, output_final_state=True, cu_seqlens=None,
+        )
+    return fn(x["q"], x["k"], x["v"])
+
+
+def last_plan() -> Any:
+    """``cute_kernels.last_plan()`` if the package has it (the scheduler's explanation), else None."""
+    try:
+        import cute_kernels
+
+        fn = getattr(cute_kernels, "last_plan", None)
+        return fn() if fn is not None else None
+    except Exception as e:  # the plan is optional; never let it break a run
+        return f"last_plan() failed: {e!r}"
+
+
+# --------------------------------------------------------------------------- peer
+
+
+class PeerUnavailable(RuntimeError):
+    pass
+
+
+def load_peer(op: str, *, fla_safe_gate: bool = False) -> tuple[str, Callable[[dict], Any]]:
+    """(label, callable) of the peer for ``op``; raises PeerUnavailable when FLA is missing."""
+    if op == "decode":
+        def sdpa(x):
+            o = F.scaled_dot_product_attention(
+                x["q"].transpose(1, 2), x["k"].transpose(1, 2), x["v"].transpose(1, 2), enable_gqa=True
+            )
+            return o.transpose(1, 2)  # back to [B, 1, Hq, D] (a view, no copy)
+
+        return f"torch {torch.__version__.split('+')[0]} sdpa", sdpa
+
+    try:
+        import fla
+        if op == "kda":
+            from fla.ops.kda import chunk_kda as fla_fn
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
+    except Exception as e:
+        raise PeerUnavailable(
+            f"the peer for --op {op} is FLA (flash-linear-attention=={FLA_VERSION}) and it cannot be "
+            f"imported: {type(e).__name__}: {e}\n"
+            f"install it, e.g. pip install .wheelhouse/dl/fla_core-{FLA_VERSION}-py3-none-any.whl "
+            f".wheelhouse/dl/flash_linear_attention-{FLA_VERSION}-py3-none-any.whl"
+        ) from e
+    version = getattr(fla, "__version__", "?")
+    extra = {}
+    if op == "kda" and fla_safe_gate:
+        extra = {"safe_gate": True, "lower_bound": GATE_LOWER_BOUND}
+
+    def peer(x):
+        return fla_fn(
+            x["q"], x["k"], x["v"], x["g"], x["beta"],
+            scale=None, initial_state=None, output_final_state=True, cu_seqlens=None, **extra,
+        )
+
+    label = f"fla {version} {fla_fn.__name__}" + (" safe_gate" if extra else "")
+    return label, peer
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+def output_tensors(result: Any) -> list[torch.Tensor | None]:
+    """The output tensors of a call: (o, final_state) for kda / gdn, [o] for decode."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    return [t if isinstance(t, torch.Tensor) else None for t in result]
+
+
+def max_rel_err(ours: Any, peer: Any) -> float:
+    """max over outputs of ||ours - peer|| / ||peer|| (Frobenius norms, in fp32).
+
+    Outputs compared: o, plus the final state when both sides return one.  A shape mismatch
+    counts as an infinite error.
+    """
+    worst = 0.0
+    for a, b in zip(output_tensors(ours), output_tensors(peer)):
+        if a is None or b is None:
+            continue
+        if a.numel() != b.numel():
+            return float("inf")
+        a = a.reshape(b.shape).float()
+        b = b.float()
+        err = (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
+        if err != err:  # NaN in either output
+            return float("inf")
+        worst = max(worst, err)
+    return worst

@@ -1,0 +1,241 @@
+"""CPU tests of the benchmark harness (no GPU, no FLA needed)."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import grids, report, roofline
+from benchmarks.sweep import NO_GPU_MSG
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------- grids
+
+
+def test_seed_grid_rows_and_cells():
+    rows = grids.get_grid("seed")
+    assert [(r.B, r.H) for r in rows] == [
+        (1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16), (4, 4), (4, 8), (8, 4),
+        (4, 16), (8, 8), (8, 16), (4, 32), (8, 32), (16, 32), (32, 32), (4, 64), (8, 64), (16, 64), (32, 64),
+    ]
+    all_t = tuple(64 * 2**i for i in range(9))
+    assert all_t[-1] == 16384
+    for r in rows[:12]:
+        assert r.Ts == all_t
+    for r in rows[12:19]:
+        assert r.Ts == (64, 256, 1024, 4096, 16384)
+    assert rows[-1].Ts == (64, 256, 1024, 4096)  # (32, 64) stops at 4096
+    assert len(grids.cells(rows)) == 12 * 9 + 7 * 5 + 4
+    # the separator sits between (8, 4) and (4, 16)
+    assert grids.group_starts(rows) == {(4, 16)}
+
+
+def test_small_and_large_grids():
+    small = grids.get_grid("small")
+    assert [(r.B, r.H) for r in small] == [(1, 4), (2, 8), (4, 16)]
+    assert all(r.Ts == (256, 1024, 4096, 8192) for r in small)
+    large = grids.get_grid("large")
+    assert [(r.B, r.H) for r in large] == [(8, 32), (16, 32), (4, 64), (8, 64), (16, 64)]
+    assert all(r.Ts == (2048, 4096, 8192) for r in large)
+    assert all(r.BH >= 256 for r in large)
+    assert len(grids.cells(large)) == 15
+    assert grids.cells(small)[:2] == [(1, 4, 256), (1, 4, 1024)]
+    with pytest.raises(ValueError):
+        grids.get_grid("nope")
+
+
+# --------------------------------------------------------------------------- roofline
+
+
+def test_kda_roofline_by_hand():
+    B, H, T, K, V, C = 16, 64, 4096, 128, 128, 64
+    tok = B * T * H
+    q = k = v = o = tok * K * 2  # bf16
+    g = tok * K * 4  # fp32, per channel
+    beta = tok * 2
+    state = B * H * K * V * 4
+    nbytes = q + k + v + g + beta + o + state
+    assert nbytes == 6_517_948_416
+
+    per_chunk = (
+        2 * C * C * K  # k k^T
+        + 2 * C * C * K  # q k^T
+        + 2 * C * C * K  # w = T kg
+        + 2 * C * C * V  # u = T v
+        + 2 * C * C * V  # tril(Aqk) v_new
+        + 3 * 2 * C * K * V  # w S, q S, kg^T v_new
+        + C**3  # triangular solve
+    )
+    flops = B * H * (T // C) * per_chunk
+    assert flops == 773_094_113_280
+
+    cost = roofline.cell_cost("kda", B, H, T)
+    assert (cost.bytes, cost.flops) == (nbytes, flops)
+    fl, bound = roofline.floor_us(cost)
+    assert bound == "memory"
+    assert fl == pytest.approx(nbytes / 4.2e12 * 1e6)
+    assert fl == pytest.approx(1551.9, abs=0.1)
+
+    # compute-bound when the bandwidth ceiling is raised a lot
+    fl2, bound2 = roofline.floor_us(cost, roofline.Ceilings.from_cli(bw_tbs=100.0, tflops=729.0))
+    assert bound2 == "compute"
+    assert fl2 == pytest.approx(flops / 729e12 * 1e6)
+
+
+def test_gdn_and_decode_roofline():
+    B, H, T = 2, 8, 100  # T not a multiple of 64: two chunks
+    gdn = roofline.cell_cost("gdn", B, H, T)
+    tok = B * T * H
+    assert gdn.bytes == tok * 128 * 2 * 4 + tok * 4 + tok * 2 + B * H * 128 * 128 * 4
+    assert gdn.flops == B * H * 2 * roofline.chunk_flops()
+
+    B, Hkv, Tkv = 4, 8, 4096
+    Hq = 8 * Hkv
+    dec = roofline.cell_cost("decode", B, Hkv, Tkv)
+    assert dec.flops == 4 * B * Hq * Tkv * 128
+    assert dec.bytes == 2 * B * Hq * 128 * 2 + 2 * B * Tkv * Hkv * 128 * 2
+    assert roofline.floor_us(dec)[1] == "memory"
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _row(B, H, T, ours, peer, err=None, op="kda"):
+    floor = 10.0
+    return dict(op=op, B=B, H=H, T=T, ours_us=ours, ours_eager_us=None if ours is None else ours + 5,
+                peer="fla 0.6.0 chunk_kda", peer_us=peer, peer_eager_us=peer + 5,
+                speedup=None if ours is None else peer / ours, floor_us=floor, floor_bound="memory",
+                max_rel_err=err, extra={"input_sets": 4})
+
+
+def _fake_rows():
+    return [
+        _row(1, 4, 64, 10.0, 35.7, err=1e-3),  # 3.57
+        _row(1, 4, 128, 20.0, 10.0, err=1e-3),  # 0.50 -> we lose
+        _row(8, 16, 64, None, 50.0),  # no ours
+        _row(8, 32, 64, 10.0, 12.0, err=0.5),  # bad correctness
+        _row(16, 32, 64, 10.0, 30.0, err=1e-3),
+    ]
+
+
+def _line(text, prefix):
+    return next(l for l in text.splitlines() if l.startswith(prefix))
+
+
+def test_table_marks_and_separators():
+    rows = _fake_rows()
+    text = report.format_table(rows, report.speedup, "t", sm_count=132, group_starts={(8, 16)},
+                               mark_lose=True, mark_err=True)
+    lines = text.splitlines()
+    assert lines[1].split("|")[1].split() == ["64", "128"]
+    r14 = _line(text, "   1    4     4 |")
+    assert " 3.57 " in r14
+    assert "0.50!" in r14
+    r816 = _line(text, "   8   16   128 |")
+    assert "·" in r816 and "!" not in r816
+    assert "1.20E" in _line(text, "   8   32   256 |")
+    assert "3.00" in _line(text, "  16   32   512 |")
+    # separators: plain rule before (8, 16), SM line right before (8, 32) (first B*H >= 132), once
+    sm = "─── B*H >= 132 (SM count) ───"
+    assert text.count(sm) == 1
+    i_sm = lines.index(sm)
+    assert lines[i_sm + 1].startswith("   8   32   256 |")
+    assert lines[i_sm - 1].startswith("   8   16   128 |")
+    assert lines[lines.index(r816) - 1] == "───"
+    # the missing (8, 16, 128) cell is shown as ·
+    assert r816.split("|")[1].split() == ["·", "·"]
+
+
+def test_no_sm_separator_when_all_rows_small():
+    rows = [_row(1, 4, 64, 10.0, 20.0)]
+    text = report.format_table(rows, report.speedup, "t", sm_count=132, mark_lose=True)
+    assert "SM count" not in text
+
+
+def test_report_with_and_without_ours():
+    rows = _fake_rows()
+    text = report.format_report(rows, op="kda", grid="seed", device="NVIDIA H200", sm_count=132)
+    assert "speed-up" in text and "ours_us / floor_us" in text and "peer_us" in text
+    # ours/floor for (1,4,64): 10/10 = 1.00
+    assert "1.00" in text
+    peer_only = [_row(1, 4, 64, None, 35.0), _row(2, 8, 64, None, 120.0)]
+    text2 = report.format_report(peer_only, op="kda", grid="small", device="NVIDIA H200", sm_count=132)
+    assert "speed-up" not in text2
+    assert "35.00" in text2 and "120.0" in text2  # peer times
+    assert "3.50" in text2  # peer / floor
+
+
+def test_result_stem_and_device_name():
+    assert report.device_short_name("NVIDIA H200") == "h200"
+    assert report.device_short_name("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    stem = report.result_stem("out", "kda", "seed", "NVIDIA H200", "2025-01-02")
+    assert stem == Path("out") / "kda_seed_h200_2025-01-02"
+
+
+def test_json_round_trip(tmp_path):
+    rows = _fake_rows()
+    rows[0]["max_rel_err"] = math.inf  # non-finite survives as a string and still counts as bad
+    meta = {"device": "NVIDIA H200", "date": "2025-01-02", "torch": torch.__version__, "op": "kda",
+            "grid": "seed", "ceilings": roofline.Ceilings().as_dict()}
+    path = report.write_json(tmp_path / "sub" / "x.json", meta, rows)
+    doc = report.read_json(path)
+    for k in ("device", "date", "torch", "op", "grid", "ceilings"):
+        assert doc[k] == meta[k]
+    assert doc["ceilings"] == {"bytes_per_s": 4.2e12, "flops_per_s": 729e12}
+    assert len(doc["rows"]) == len(rows)
+    assert set(doc["rows"][0]) == set(report.ROW_KEYS)
+    assert doc["rows"][2]["ours_us"] is None and doc["rows"][2]["speedup"] is None
+    assert doc["rows"][1] == rows[1]
+    assert doc["rows"][0]["max_rel_err"] == "inf"
+    assert report.rel_err_bad(doc["rows"][0])
+    # the tables read the same from the JSON rows as from the originals
+    assert report.format_report(doc["rows"], op="kda", grid="seed", device="d", sm_count=132) == \
+        report.format_report(rows, op="kda", grid="seed", device="d", sm_count=132)
+
+
+@pytest.mark.parametrize("with_ours", [True, False])
+def test_heatmap_written(tmp_path, with_ours):  # speed-up or peer-time mode
+    rows = _fake_rows()
+    if not with_ours:
+        rows = [dict(r, ours_us=None, speedup=None) for r in rows]
+    path = report.write_heatmap(rows, tmp_path / "h.png", title="test")
+    data = path.read_bytes()
+    assert len(data) > 1000
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_cli_without_gpu_exits_2(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.sweep", "--op", "kda", "--grid", "small", "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert NO_GPU_MSG in proc.stderr
+    assert NO_GPU_MSG == "no CUDA GPU found: the benchmark needs one (nothing was measured)"
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_graph_tables_and_heatmap(tmp_path):
+    rows = _fake_rows()
+    assert not report.has_graph(rows)
+    for r in rows:
+        r["extra"]["peer_graph_us"] = r["peer_us"] / 2
+        r["extra"]["ours_graph_us"] = None if r["ours_us"] is None else r["ours_us"] / 4
+    assert report.has_graph(rows)
+    assert report.graph_speedup(rows[0]) == pytest.approx(2 * 3.57)
+    text = report.format_report(rows, op="kda", grid="seed", device="d", sm_count=132)
+    assert "CUDA-graph replay" in text
+    assert "7.14" in text  # graph speed-up of (1, 4, 64)
+    path = report.write_heatmap(rows, tmp_path / "g.png", graph=True)
+    assert path.stat().st_size > 1000

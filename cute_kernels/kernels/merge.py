@@ -82,7 +82,7 @@ class AffineMerge:
         row0 = (tid // BV) * RPT
         v = vt * BV + col
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         s_tile = smem.allocate_tensor(Float32, cute.make_layout((K, BV), stride=(BV, 1)), 16)
         acc = cute.make_rmem_tensor((RPT,), Float32)
 

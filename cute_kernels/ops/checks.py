@@ -46,18 +46,29 @@ def check_cuda(**tensors) -> torch.device:
     return device
 
 
+_offsets_cache: dict = {}
+
+
 def offsets_tensor(name: str, offsets, slots: int, device) -> tuple[torch.Tensor, int]:
     """`offsets` (list, tuple or 1-D int tensor [N+1]) as an int32 tensor on `device`, and N.
 
-    A list/tuple or CPU tensor is checked fully (starts at 0, non-decreasing, ends at `slots`); a CUDA
-    tensor is taken as is (checking its values would cost a device sync), only its dtype and rank.
+    A list/tuple or CPU tensor is checked fully (starts at 0, non-decreasing, ends at `slots`) and copied to
+    the device once per distinct value (cached: a copy per call would stall the stream); a CUDA tensor is
+    taken as is (checking its values would cost a device sync), only its dtype and rank.
     """
     if isinstance(offsets, (list, tuple)) or (isinstance(offsets, torch.Tensor) and not offsets.is_cuda):
-        vals = [int(x) for x in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets)]
+        vals = tuple(int(x) for x in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets))
+        key = (vals, slots, str(device))
+        hit = _offsets_cache.get(key)
+        if hit is not None:
+            return hit, len(vals) - 1
         if len(vals) < 2 or vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])) or vals[-1] != slots:
-            raise ValueError(f"{name} must start at 0, be non-decreasing and end at {slots}, got {vals[:8]}"
+            raise ValueError(f"{name} must start at 0, be non-decreasing and end at {slots}, got {list(vals[:8])}"
                              f"{'...' if len(vals) > 8 else ''}")
-        return torch.tensor(vals, dtype=torch.int32, device=device), len(vals) - 1
+        if len(_offsets_cache) >= 256:
+            _offsets_cache.clear()
+        _offsets_cache[key] = torch.tensor(vals, dtype=torch.int32, device=device)
+        return _offsets_cache[key], len(vals) - 1
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"{name} must be a list of ints or a 1-D integer tensor, got {type(offsets).__name__}")
     if offsets.dtype not in (torch.int32, torch.int64) or offsets.dim() != 1 or offsets.numel() < 2:

@@ -22,7 +22,7 @@ def cmd_compile(args) -> int:
     from .runtime.compile import cubin_register_counts
     from .variants import all_variants
 
-    variants = [v for v in all_variants() if args.op in (None, v.op)]
+    variants = [v for v in all_variants(args.arch) if args.op in (None, v.op)]
     if not variants:
         print(f"error: no variant of op {args.op!r}", file=sys.stderr)
         return 2

@@ -18,13 +18,19 @@ class Variant:
     ptx_must_have: tuple[str, ...] = ()       # substrings, any arch
     ptx_must_have_sm90: tuple[str, ...] = ()
     ptx_must_have_sm100: tuple[str, ...] = ()
+    archs: tuple[str, ...] = ("sm_90a", "sm_100a")   # an SM90 mainloop (wgmma) has no sm_100a build
 
     def required(self, arch: str) -> tuple[str, ...]:
         extra = self.ptx_must_have_sm90 if arch.startswith("sm_90") else self.ptx_must_have_sm100
         return (f".target {arch}",) + self.ptx_must_have + extra
 
 
-def all_variants() -> list[Variant]:
+def all_variants(arch: str | None = None) -> list[Variant]:
+    """Every variant, or those built for `arch`."""
+    return [v for v in _variants() if arch is None or arch in v.archs]
+
+
+def _variants() -> list[Variant]:
     import torch
 
     from .ops.merge import compile_affine_merge, compile_lse_merge
@@ -42,6 +48,21 @@ def all_variants() -> list[Variant]:
             "lse_merge", f"lse_merge_d{dim}_{tag}",
             lambda d, dim=dim, dt=dt: compile_lse_merge(dim, dt, dump_dir=d),
             ptx_must_have=("ld.global.v4", "ex2.approx"),
+        ))
+    from .ops.linear_attention import compile_gdn_sm90
+
+    for io, beta, init, final in [
+        (torch.bfloat16, torch.bfloat16, True, True),
+        (torch.bfloat16, torch.bfloat16, False, False),
+        (torch.float16, torch.float32, True, True),
+    ]:
+        name = (f"gdn_fwd_sm90_{str(io)[6:]}_beta{str(beta)[6:]}"
+                f"{'_init' if init else ''}{'_final' if final else ''}")
+        out.append(Variant(
+            "chunk_gated_delta_rule", name,
+            lambda d, io=io, beta=beta, init=init, final=final: compile_gdn_sm90(io, beta, init, final, dump_dir=d),
+            ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec"),
+            archs=("sm_90a",),
         ))
     try:
         from schedulers.probe import probe_variants

@@ -24,17 +24,16 @@ def compiled_dir(request, tmp_path_factory):
     return arch, out, proc.stdout
 
 
-def variant_names():
-    env_arch = os.environ.get("CUTE_DSL_ARCH")
-    code = "from cute_kernels.variants import all_variants; print('\\n'.join(v.name for v in all_variants()))"
-    env = dict(os.environ, PYTHONPATH=ROOT, CUTE_DSL_ARCH=env_arch or "sm_90a")
+def variant_names(arch):
+    code = f"from cute_kernels.variants import all_variants; print('\\n'.join(v.name for v in all_variants('{arch}')))"
+    env = dict(os.environ, PYTHONPATH=ROOT, CUTE_DSL_ARCH=arch)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     return out.stdout.split()
 
 
 def test_every_variant_written(compiled_dir):
     arch, out, stdout = compiled_dir
-    names = variant_names()
+    names = variant_names(arch)
     assert len(names) >= 9
     for name in names:
         for ext in ("ptx", "cubin"):
@@ -54,6 +53,10 @@ def test_ptx_contents(compiled_dir):
     assert "ld.global.v4" in ptx and "ex2.approx" in ptx
     cubin = (out / f"lse_merge_d128_bfloat16.{arch}.cubin").read_bytes()
     assert cubin[:4] == b"\x7fELF"
+    if arch == "sm_90a":  # the fused GDN forward: TMA loads, wgmma products, register reallocation
+        ptx = (out / f"gdn_fwd_sm90_bfloat16_betabfloat16_init_final.{arch}.ptx").read_text()
+        for needle in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec"):
+            assert needle in ptx, needle
 
 
 def test_cli_rejects_unknown_op(tmp_path):

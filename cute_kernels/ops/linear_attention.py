@@ -1,0 +1,179 @@
+"""FLA-compatible ops: `chunk_gated_delta_rule` (GDN, scalar decay) and `chunk_kda` (per-channel decay).
+
+Layouts follow flash-linear-attention 0.6: q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]`,
+g `[B, T, H]` (GDN) or `[B, T, H, K]` (KDA) per-step natural-log decay, states `[N, H, K, V]` fp32 where
+N = B, or N = len(cu_seqlens) - 1 with B == 1 (varlen). Returns (o `[B, T, H, V]` in q's dtype,
+final_state or None).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_cuda, check_shape, check_tensor
+
+IO_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_HEAD_DIMS = (128,)
+
+
+def validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda: bool, scale):
+    """Check everything on the host; returns (B, T, H, K, V, N, cu) with cu the cu_seqlens values as a tuple
+    (or None). Every error names the argument."""
+    check_tensor("q", q, dtypes=IO_DTYPES, ndim=4)
+    B, T, H, K = q.shape
+    check_tensor("k", k, dtypes=(q.dtype,), ndim=4)
+    check_shape("k", k, (B, T, H, K))
+    check_tensor("v", v, dtypes=(q.dtype,), ndim=4)
+    V = v.shape[-1]
+    check_shape("v", v, (B, T, H, V))
+    if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dims K={K}, V={V} are not supported: supported are {SUPPORTED_HEAD_DIMS}")
+    check_tensor("g", g, dtypes=(torch.float32, q.dtype), ndim=4 if kda else 3)
+    check_shape("g", g, (B, T, H, K) if kda else (B, T, H))
+    check_tensor("beta", beta, dtypes=(torch.float32, q.dtype), ndim=3, align=4)
+    check_shape("beta", beta, (B, T, H))
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor with >= 2 entries, got "
+                            f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs B == 1 (packed sequences), got B={B}")
+        vals = cu_seqlens.tolist()  # one host read: the schedule is built from the lengths anyway
+        if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])) or vals[-1] != T:
+            raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got "
+                             f"{vals[:6]}{'...' if len(vals) > 6 else ''}")
+        N = len(vals) - 1
+        cu = tuple(vals)
+    else:
+        N = B
+        cu = None
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4)
+        check_shape("initial_state", initial_state, (N, H, K, V))
+    check_cuda(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+               cu_seqlens=cu_seqlens if cu_seqlens is not None and cu_seqlens.is_cuda else None)
+    return B, T, H, K, V, N, cu
+
+
+_sm_counts: dict = {}
+
+
+def _sm_count(device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_counts:
+        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_counts[idx]
+
+
+def _schedule(scheduler, B, T, H, cu_seqlens, device):
+    """The work tiles of this call (host side; cached per (scheduler, shape) by the Schedule's table)."""
+    from schedulers import Problem, SequenceScheduler
+
+    problem = Problem.varlen(cu_seqlens, H) if cu_seqlens is not None else Problem.fixed(B, T, H)
+    scheduler = scheduler if scheduler is not None else SequenceScheduler()
+    schedule = scheduler.schedule(problem, sm_count=_sm_count(device), ctas_per_sm=1)
+    if schedule.segmentation.total_segments != problem.num_seqs:
+        raise NotImplementedError(
+            f"scheduler {scheduler.name} split sequences into segments: the segmented forward (affine merge) "
+            "is not implemented yet (issue 5); use SequenceScheduler or PersistentScheduler()"
+        )
+    return schedule
+
+
+_schedule_cache: dict = {}
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, scheduler=None, *, out=None):
+    """Gated delta rule forward (GDN: one log-decay per head and token), FLA 0.6 semantics.
+
+    `scheduler` (from `schedulers`) decides the work decomposition (default: one CTA per sequence and head).
+    `out=(o, final_state)` writes into given tensors (final_state may be None). SM90 only for now.
+    """
+    B, T, H, K, V, N, cu = validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda=False, scale=scale)
+    from ..runtime.arch import device_arch
+
+    device = q.device
+    if device_arch(device) != "sm_90a":
+        raise NotImplementedError("chunk_gated_delta_rule runs on SM90 (Hopper) only for now")
+    if use_qk_l2norm_in_kernel:
+        q = torch.nn.functional.normalize(q.float(), dim=-1).to(q.dtype)
+        k = torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype)
+    scale = float(scale) if scale is not None else K ** -0.5
+    key = (scheduler, B, T, H, cu, str(device))
+    schedule = _schedule_cache.get(key)
+    if schedule is None:
+        schedule = _schedule(scheduler, B, T, H, cu, device)
+        if len(_schedule_cache) > 256:
+            _schedule_cache.clear()
+        _schedule_cache[key] = schedule
+    if out is not None:
+        o, final = out
+        check_tensor("out[o]", o, dtypes=(q.dtype,), ndim=4)
+        check_shape("out[o]", o, (B, T, H, V))
+        if final is not None:
+            check_tensor("out[final_state]", final, dtypes=(torch.float32,), ndim=4)
+            check_shape("out[final_state]", final, (N, H, K, V))
+    else:
+        o = torch.empty_like(v)
+        final = torch.empty((N, H, K, V), dtype=torch.float32, device=device) if output_final_state else None
+    store_final = final is not None
+    if T == 0 or N == 0:
+        if store_final:
+            final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
+        return o, final
+    g32 = g if g.dtype == torch.float32 else g.float()
+    dummy = final if store_final else torch.empty((1, 1, K, V), dtype=torch.float32, device=device)
+    compiled = compile_gdn_sm90(q.dtype, beta.dtype, initial_state is not None, store_final, schedule.persistent)
+    compiled.fn(
+        q.view(B * T, H, K), k.view(B * T, H, K), v.view(B * T, H, V), g32.view(B * T, H), beta.view(B * T, H),
+        o.view(B * T, H, V), initial_state if initial_state is not None else dummy, dummy,
+        schedule.table_on(device), schedule.num_tiles, schedule.grid[0], scale,
+    )
+    # A sequence of zero tokens still has a tile (zero chunks): it copies its initial state to its final state.
+    return o, final if output_final_state else None
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, use_qk_l2norm_in_kernel=False, scheduler=None):
+    """Kimi Delta Attention forward (one log-decay per key channel), FLA 0.6 semantics. Not yet (issue 4)."""
+    validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda=True, scale=scale)
+    raise NotImplementedError(
+        "chunk_kda: the SM90 KDA mainloop is not available yet (issue 4); "
+        "cute_kernels.reference.chunk_gated_delta_rule_ref computes the same function"
+    )
+
+
+def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial_state: bool,
+                     store_final_state: bool, persistent: bool = False, dump_dir=None):
+    """Compile the SM90 GDN forward for one configuration (no GPU needed)."""
+    from schedulers.problem import NUM_TILE_FIELDS
+
+    from ..kernels.sm90.gdn_fwd import ChunkGatedDeltaRuleFwdSm90
+    from ..runtime.arch import import_cutlass
+    from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
+
+    cutlass = import_cutlass()
+    io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
+    kernel = ChunkGatedDeltaRuleFwdSm90(io, bt, has_initial_state, store_final_state, persistent)
+    args = (
+        fake_tensor(io, (DYN, DYN, 128)),
+        fake_tensor(io, (DYN, DYN, 128)),
+        fake_tensor(io, (DYN, DYN, 128)),
+        fake_tensor(f32, (DYN, DYN), align=4),
+        fake_tensor(bt, (DYN, DYN), align=2),
+        fake_tensor(io, (DYN, DYN, 128)),
+        fake_tensor(f32, (DYN, DYN, 128, 128)),
+        fake_tensor(f32, (DYN, DYN, 128, 128)),
+        fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
+        cutlass.Int32(1),
+        cutlass.Int32(1),
+        f32(1.0),
+        fake_stream(),
+    )
+    key = ("gdn_fwd_sm90", str(io_dtype), str(beta_dtype), has_initial_state, store_final_state, persistent)
+    return compile_kernel(key, kernel, *args, dump_dir=dump_dir)

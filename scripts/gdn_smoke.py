@@ -1,0 +1,51 @@
+"""Quick GPU check of the SM90 GDN forward: a few cases against float64, then timings (prints as it goes)."""
+
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import cute_kernels as ck
+from cute_kernels import reference as ref
+
+
+def inputs(B, T, H, seed, dev="cuda"):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, 128, generator=gen), dim=-1).bfloat16().to(dev)
+    k = F.normalize(torch.randn(B, T, H, 128, generator=gen), dim=-1).bfloat16().to(dev)
+    v = torch.randn(B, T, H, 128, generator=gen).bfloat16().to(dev)
+    g = F.logsigmoid(torch.randn(B, T, H, generator=gen)).clamp(min=-5.0).to(dev)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen)).bfloat16().to(dev)
+    return q, k, v, g, beta
+
+
+def err(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+for B, T, H, init, cu in [(1, 100, 1, False, None), (1, 64, 1, True, None), (3, 1000, 4, True, None),
+                          (1, 3000, 4, False, [0, 1, 65, 65, 1000, 1063, 3000])]:
+    t0 = time.time()
+    q, k, v, g, beta = inputs(B, T, H, T + B)
+    N = B if cu is None else len(cu) - 1
+    s0 = torch.randn(N, H, 128, 128, device="cuda") * 0.1 if init else None
+    cut = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    o, s = ck.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cut)
+    torch.cuda.synchronize()
+    wo, ws = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                           cu_seqlens=cut)
+    o2, s2 = ck.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cut)
+    print(f"B={B} T={T} H={H} init={init} varlen={cu is not None}: o err {err(o, wo):.2e}, state err "
+          f"{err(s, ws):.2e}, nan {bool(o.isnan().any())}, same twice {torch.equal(o, o2) and torch.equal(s, s2)} "
+          f"({time.time() - t0:.1f}s)", flush=True)
+
+import triton.testing as tt
+
+for B, H, T in [(1, 4, 8192), (4, 16, 8192), (16, 64, 4096)]:
+    q, k, v, g, beta = inputs(B, T, H, 1)
+    fn = lambda: ck.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    fn()
+    us = tt.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+    print(f"time B={B} H={H} T={T}: {us:.1f} us", flush=True)

@@ -43,9 +43,18 @@ for B, T, H, init, cu in [(1, 100, 1, False, None), (1, 64, 1, True, None), (3, 
 
 import triton.testing as tt
 
-for B, H, T in [(1, 4, 8192), (4, 16, 8192), (16, 64, 4096)]:
-    q, k, v, g, beta = inputs(B, T, H, 1)
-    fn = lambda: ck.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
-    fn()
-    us = tt.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
-    print(f"time B={B} H={H} T={T}: {us:.1f} us", flush=True)
+import cute_kernels.ops.linear_attention as la
+
+solves = sys.argv[1:] or ["serial", "blocked"]
+for solve in solves:
+    la.GDN_SOLVE = solve
+    q, k, v, g, beta = inputs(2, 1000, 3, 7)
+    o, s = ck.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    wo, ws = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True)
+    print(f"solve={solve}: o err {err(o, wo):.2e}, state err {err(s, ws):.2e}", flush=True)
+    for B, H, T in [(1, 4, 8192), (4, 16, 8192), (16, 64, 4096)]:
+        q, k, v, g, beta = inputs(B, T, H, 1)
+        fn = lambda: ck.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+        fn()
+        us = tt.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+        print(f"solve={solve} time B={B} H={H} T={T}: {us:.1f} us ({us / (T // 64):.2f} us per chunk)", flush=True)

@@ -142,6 +142,17 @@ def test_gdn_varlen(with_init):
 
 
 @requires_sm90
+@pytest.mark.parametrize("solve", ["serial", "blocked"])
+@pytest.mark.parametrize("T", [64, 1000])
+def test_gdn_solves(solve, T, monkeypatch):
+    """Both in-chunk solves of the SM90 kernel give the same accuracy."""
+    import cute_kernels.ops.linear_attention as la
+
+    monkeypatch.setattr(la, "GDN_SOLVE", solve)
+    run_and_check(2, T, 3, torch.Generator().manual_seed(T), True)
+
+
+@requires_sm90
 def test_gdn_fp16():
     run_and_check(2, 300, 2, torch.Generator().manual_seed(5), True, dtype=torch.float16)
 

@@ -148,8 +148,13 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     )
 
 
+# The in-chunk triangular solve of the SM90 kernel: "serial" (verified on the H200, slow: its 64-float column
+# spills) or "blocked" (16 x 16 blocks, no spill; compiled, not yet run on a GPU -- the default once it is).
+GDN_SOLVE = "serial"
+
+
 def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial_state: bool,
-                     store_final_state: bool, persistent: bool = False, dump_dir=None):
+                     store_final_state: bool, persistent: bool = False, solve: str | None = None, dump_dir=None):
     """Compile the SM90 GDN forward for one configuration (no GPU needed)."""
     from schedulers.problem import NUM_TILE_FIELDS
 
@@ -159,7 +164,8 @@ def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial
 
     cutlass = import_cutlass()
     io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
-    kernel = ChunkGatedDeltaRuleFwdSm90(io, bt, has_initial_state, store_final_state, persistent)
+    solve = solve or GDN_SOLVE
+    kernel = ChunkGatedDeltaRuleFwdSm90(io, bt, has_initial_state, store_final_state, persistent, solve=solve)
     args = (
         fake_tensor(io, (DYN, DYN, 128)),
         fake_tensor(io, (DYN, DYN, 128)),
@@ -175,5 +181,5 @@ def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial
         f32(1.0),
         fake_stream(),
     )
-    key = ("gdn_fwd_sm90", str(io_dtype), str(beta_dtype), has_initial_state, store_final_state, persistent)
+    key = ("gdn_fwd_sm90", str(io_dtype), str(beta_dtype), has_initial_state, store_final_state, persistent, solve)
     return compile_kernel(key, kernel, *args, dump_dir=dump_dir)

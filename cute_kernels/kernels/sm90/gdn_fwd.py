@@ -63,7 +63,7 @@ class ChunkGatedDeltaRuleFwdSm90:
     """
 
     def __init__(self, io_dtype, beta_dtype, has_initial_state: bool, store_final_state: bool,
-                 persistent: bool = False, k_dim: int = 128, v_dim: int = 128):
+                 persistent: bool = False, k_dim: int = 128, v_dim: int = 128, solve: str = "serial"):
         if k_dim != 128 or v_dim != 128:
             raise ValueError(f"ChunkGatedDeltaRuleFwdSm90 supports K = V = 128, got K={k_dim}, V={v_dim}")
         self.io_dtype = io_dtype
@@ -73,6 +73,9 @@ class ChunkGatedDeltaRuleFwdSm90:
         self.persistent = persistent
         self.k_dim = k_dim
         self.v_dim = v_dim
+        if solve not in ("blocked", "serial"):
+            raise ValueError(f"solve must be 'blocked' or 'serial', got {solve!r}")
+        self.solve = solve
         self.num_threads = 384
         self.tma_bytes = 3 * C * 128 * io_dtype.width // 8
 
@@ -121,7 +124,8 @@ class ChunkGatedDeltaRuleFwdSm90:
             sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
             sVnew: cute.struct.Align[cute.struct.MemRange[io, 2 * C * HALF], 1024]
             sS: cute.struct.Align[cute.struct.MemRange[io, 2 * 128 * HALF], 1024]
-            sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * (C + 1)], 16]
+            sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * (C + 1)], 16]   # A, then X^T above
+            sY: cute.struct.Align[cute.struct.MemRange[Float32, 3 * 16 * 16], 16]   # blocked-solve products
             sG: cute.struct.MemRange[Float32, C]        # cumulative log decay G_r
             sEG: cute.struct.MemRange[Float32, C]       # exp(G_r)
             sEGL: cute.struct.MemRange[Float32, C]      # exp(G_last - G_r), 0 past the chunk end
@@ -177,6 +181,7 @@ class ChunkGatedDeltaRuleFwdSm90:
         sS = view(st.sS, 128, HALF, 2)                   # (k, v, half)
         sS_mn = view(st.sS, 128, HALF, 2, True)          # (v, k, half)
         sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(C + 1, 1)))
+        sY = st.sY.get_tensor(cute.make_layout((3, 16, 16), stride=(256, 16, 1)))
         sG = st.sG.get_tensor(cute.make_layout(C))
         sEG = st.sEG.get_tensor(cute.make_layout(C))
         sEGL = st.sEGL.get_tensor(cute.make_layout(C))
@@ -205,7 +210,7 @@ class ChunkGatedDeltaRuleFwdSm90:
             self.consumer(
                 sched, load, wg - 1, tidx - 128, mG, mBeta, mO, mS0, mSN, scale,
                 sQ, sK, sV, sK_mn, sV_mn, sKb_mn, sNegW, sX, sAqk, sVnew, sVnew_mn, sS, sS_mn,
-                sAkk, sG, sEG, sEGL, sBeta,
+                sAkk, sY, sG, sEG, sEGL, sBeta,
             )
 
     @cute.jit
@@ -234,7 +239,7 @@ class ChunkGatedDeltaRuleFwdSm90:
     def consumer(
         self, sched, load, j, ctid, mG, mBeta, mO, mS0, mSN, scale,
         sQ, sK, sV, sK_mn, sV_mn, sKb_mn, sNegW, sX, sAqk, sVnew, sVnew_mn, sS, sS_mn,
-        sAkk, sG, sEG, sEGL, sBeta,
+        sAkk, sY, sG, sEG, sEGL, sBeta,
     ):
         io = self.io_dtype
         wtid = ctid % 128                       # thread index inside this consumer warpgroup
@@ -333,20 +338,11 @@ class ChunkGatedDeltaRuleFwdSm90:
                     sQ[r, col, stage] = io(Float32(sQ[r, col, stage]) * sEG[r] * scale)
                     sV[r, col, stage] = io(Float32(sV[r, col, stage]) * sBeta[r])
 
-                # -- 3. X = (I + Akk)^-1, one column per thread (64 threads), fp32 forward substitution
-                if ctid < C:
-                    x = cute.make_rmem_tensor((C,), Float32)
-                    for r in cutlass.range_constexpr(C):
-                        acc_x = Float32(0.0)
-                        if r == ctid:
-                            acc_x = Float32(1.0)
-                        for i in cutlass.range_constexpr(r):
-                            acc_x = acc_x - sAkk[r, i] * x[i]
-                        if r < ctid:
-                            acc_x = Float32(0.0)
-                        x[r] = acc_x
-                    for r in cutlass.range_constexpr(C):
-                        sX[r, ctid] = io(x[r])
+                # -- 3. X = (I + Akk)^-1 in fp32 -> bf16 sX
+                if cutlass.const_expr(self.solve == "blocked"):
+                    self.solve_blocked(ctid, sAkk, sY, sX)
+                else:
+                    self.solve_serial(ctid, sAkk, sX)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
@@ -393,6 +389,80 @@ class ChunkGatedDeltaRuleFwdSm90:
                         r, cidx = cc_s[i]
                         mSN[seq, head, r, v0 + cidx] = acc_s[i]
             work = sched.advance(work)
+
+    @cute.jit
+    def solve_serial(self, ctid, sAkk, sX):
+        """X = (I + A)^-1 by forward substitution, one column per thread (64 threads, 2016-FMA chains)."""
+        if ctid < C:
+            x = cute.make_rmem_tensor((C,), Float32)
+            for r in cutlass.range_constexpr(C):
+                acc_x = Float32(0.0)
+                if r == ctid:
+                    acc_x = Float32(1.0)
+                for i in cutlass.range_constexpr(r):
+                    acc_x = acc_x - sAkk[r, i] * x[i]
+                if r < ctid:
+                    acc_x = Float32(0.0)
+                x[r] = acc_x
+            for r in cutlass.range_constexpr(C):
+                sX[r, ctid] = self.io_dtype(x[r])
+
+    @cute.jit
+    def x_at(self, sAkk, row, col):
+        """X[row, col] during the blocked solve: unit diagonal, strictly-lower part stored transposed above A."""
+        val = Float32(0.0)
+        if row == col:
+            val = Float32(1.0)
+        if row > col:
+            val = sAkk[col, row]
+        return val
+
+    @cute.jit
+    def solve_blocked(self, ctid, sAkk, sY, sX):
+        """X = (I + A)^-1 for strictly-lower A [64, 64] (fp32 smem), in 16 x 16 blocks, 256 threads.
+
+        Level 0: each diagonal block by forward substitution (64 threads, one column each, 120-FMA chains).
+        Level d = 1..3: off-diagonal blocks p = q + d: Y = sum_{k=q}^{p-1} A_pk X_kq, then X_pq = -X_pp Y
+        (one element per thread and block). X's strictly-lower part is written transposed into the unused
+        upper triangle of the A buffer, so A stays readable throughout. Ends with X in bf16 in sX.
+        """
+        if ctid < C:
+            base = (ctid // 16) * 16
+            c = ctid % 16
+            x = cute.make_rmem_tensor((16,), Float32)
+            for r in cutlass.range_constexpr(16):
+                acc = Float32(0.0)
+                if r == c:
+                    acc = Float32(1.0)
+                for i in cutlass.range_constexpr(r):
+                    acc = acc - sAkk[base + r, base + i] * x[i]
+                if r < c:
+                    acc = Float32(0.0)
+                x[r] = acc
+            for r in cutlass.range_constexpr(16):
+                if r > c:
+                    sAkk[base + c, base + r] = x[r]
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        rr = ctid // 16
+        cc = ctid % 16
+        for d in cutlass.range_constexpr(1, 4):
+            for q in cutlass.range_constexpr(4 - d):
+                p = q + d
+                acc = Float32(0.0)
+                for kb in cutlass.range_constexpr(q, p):
+                    for s in cutlass.range_constexpr(16):
+                        acc = acc + sAkk[16 * p + rr, 16 * kb + s] * self.x_at(sAkk, 16 * kb + s, 16 * q + cc)
+                sY[q, rr, cc] = acc
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            for q in cutlass.range_constexpr(4 - d):
+                p = q + d
+                acc = Float32(0.0)
+                for s in cutlass.range_constexpr(16):
+                    acc = acc - self.x_at(sAkk, 16 * p + rr, 16 * p + s) * sY[q, s, cc]
+                sAkk[16 * q + cc, 16 * p + rr] = acc
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        for e in cutlass.range(ctid, C * C, 256, unroll=4):
+            sX[e // C, e % C] = self.io_dtype(self.x_at(sAkk, e // C, e % C))
 
     @cute.jit
     def store_state_copy(self, acc_s, cc_s, sS, j):

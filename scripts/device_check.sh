@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build, check and time on the GPU machine in one call (see README "Running on the H200").
 # Usage (from the repo root, after `source .wheelhouse/b/install.sh`):
-#   bash scripts/device_check.sh [tests] [bench-small] [bench-seed] ...
+#   bash scripts/device_check.sh [tests] [gpu-tests] [gdn-tests] [gdn-smoke] [merge-time] [bench-OP-GRID] ...
+#   e.g. BENCH_ARGS=--graph bash scripts/device_check.sh gdn-smoke gdn-tests bench-gdn-large
 # Logs and JSON go to $OUT (or ./device_out), so they come back with the call.
 set -uo pipefail
 out=${OUT:-device_out}
@@ -18,6 +19,15 @@ for stage in $stages; do
       status=$((status | ${PIPESTATUS[0]})) ;;
     gpu-tests)
       python3 -m pytest tests -q -p no:cacheprovider -m "not compile" -k "gpu or merge or probe" 2>&1 | tee "$out/gpu_tests.log" | tail -25
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    gdn-tests)
+      python3 -m pytest tests/test_gdn_sm90.py -q -p no:cacheprovider 2>&1 | tee "$out/gdn_tests.log" | tail -25
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    gdn-smoke)
+      python3 scripts/gdn_smoke.py 2>&1 | tee "$out/gdn_smoke.log" | grep -v Warn | tail -25
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    merge-time)
+      python3 scripts/time_merges.py 2>&1 | tee "$out/merge_time.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
     bench-*)
       spec=${stage#bench-}; op=${spec%%-*}; grid=${spec#*-}

@@ -569,3 +569,19 @@ def test_validation_attention():
         split_kv_partials(q, k, v, split_bounds=[0, 4, 2, 5])
     with pytest.raises(ValueError, match="lse_partial"):
         lse_merge(torch.zeros(2, 3, 4), torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_segment_summary_is_the_recurrence_on_an_augmented_state(kda):
+    """The plan for the summary mode of the kernels (issue 5): a segment's (M, h_ext) is the same recurrence
+    run on the augmented state [S | M] from [0 | I] with values [v | 0] -- so the forward mainloop computes
+    summaries unchanged, with the M columns treated as extra value columns whose values are zero."""
+    gen = _gen("augmented", kda)
+    B, T, H, K, V = 1, 150, 2, 8, 4
+    q, k, v, g, beta, _ = _inputs(gen, B, T, H, K, V, kda, init=False)
+    M, h, _ = segment_summaries(k, v, g, beta, [[0, 3]], chunk_size=64)
+    v_aug = torch.cat([v, torch.zeros(B, T, H, K, dtype=F64)], dim=-1)
+    s0 = torch.cat([torch.zeros(1, H, K, V, dtype=F64), torch.eye(K, dtype=F64).expand(1, H, K, K)], dim=-1)
+    _, s_end = chunk_gated_delta_rule_ref(q, k, v_aug, g, beta, initial_state=s0, output_final_state=True)
+    _assert_close(s_end[..., :V], h[0:1], "h_ext")
+    _assert_close(s_end[..., V:], M[0:1], "M")

@@ -585,3 +585,27 @@ def test_segment_summary_is_the_recurrence_on_an_augmented_state(kda):
     _, s_end = chunk_gated_delta_rule_ref(q, k, v_aug, g, beta, initial_state=s0, output_final_state=True)
     _assert_close(s_end[..., :V], h[0:1], "h_ext")
     _assert_close(s_end[..., V:], M[0:1], "M")
+
+
+@pytest.mark.parametrize("decay", [0.1, 1.0, 20.0])
+@pytest.mark.parametrize("C", [64, 40])
+def test_kda_intra_chunk_blocks_never_overflow(decay, C):
+    """The blocked, anchored form of the KDA intra-chunk matrices (what the kernels compute) matches the
+    definition and stays finite even for decays far past any lower-bound contract (g = -20 per step)."""
+    from cute_kernels.reference.kda_intra import intra_chunk_blocked, intra_chunk_exact
+
+    gen = _gen("kda-intra", decay, C)
+    K = 32
+    q = F.normalize(torch.randn(C, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(C, K, generator=gen), dim=-1)
+    g = -decay * torch.rand(C, K, generator=gen)
+    beta = torch.sigmoid(torch.randn(C, generator=gen))
+    Akk, Aqk = intra_chunk_blocked(q, k, g, beta, scale=K ** -0.5, operand_dtype=torch.float32)
+    want_kk, want_qk = intra_chunk_exact(q, k, g, beta, scale=K ** -0.5)
+    assert torch.isfinite(Akk).all() and torch.isfinite(Aqk).all()
+    assert (Akk.double() - want_kk).abs().max() <= 1e-5
+    assert (Aqk.double() - want_qk).abs().max() <= 1e-5
+    # bf16 operands, fp32 accumulation (the tensor-core path): within bf16 rounding.
+    Akk16, Aqk16 = intra_chunk_blocked(q, k, g, beta, scale=K ** -0.5)
+    assert (Akk16.double() - want_kk).abs().max() <= 2e-2
+    assert (Aqk16.double() - want_qk).abs().max() <= 2e-2

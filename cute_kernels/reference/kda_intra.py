@@ -1,0 +1,63 @@
+"""Executable spec of how the KDA kernels form the intra-chunk matrices without overflow.
+
+For per-channel decay the chunk products need exp(G_rd - G_id) inside the channel sum:
+
+    Akk[r, i] = b_r sum_d k_rd k_id exp(G_rd - G_id)   (i < r)      Aqk[r, i] = s sum_d q_rd k_id exp(G_rd - G_id)   (i <= r)
+
+with G the inclusive cumulative log decay inside the chunk (G <= 0, non-increasing). The kernels split the
+chunk into 16-row blocks and never exponentiate a positive number:
+- below the diagonal blocks (row block p > column block q): anchor at e = the last row of block q, so
+  exp(G_r - G_i) = exp(G_r - G_e) exp(G_e - G_i) with both factors <= 1 (r > e >= i). One product per column
+  block: [x_r exp(G_r - G_e)]_{r in blocks > q} @ [k_i exp(G_e - G_i)]_{i in block q}^T (a 64 x 16 x K product).
+- the 16 x 16 diagonal blocks: exact pairwise sums with exp(G_rd - G_id) <= 1 (i <= r).
+So any g <= 0 is accepted (no lower-bound contract). `intra_chunk_blocked` computes the two matrices that way,
+with operands rounded to `operand_dtype` as the tensor-core products see them and fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 16
+
+
+def intra_chunk_blocked(q, k, g, beta, scale, operand_dtype=torch.bfloat16, block=BLOCK):
+    """Akk (strictly lower, beta on rows) and Aqk (lower, scaled) for one chunk and head, the kernels' way.
+
+    q, k [C, K]; g [C, K] per-step log decay (<= 0); beta [C]. Returns fp32 (Akk, Aqk) [C, C].
+    """
+    C, K = k.shape
+    G = torch.cumsum(g.float(), dim=0)
+    qf, kf = q.float(), k.float()
+    rnd = lambda t: t.to(operand_dtype).float()
+    Akk = torch.zeros(C, C)
+    Aqk = torch.zeros(C, C)
+    for qb in range(0, C, block):
+        e = min(qb + block, C) - 1                      # anchor: last row of column block qb
+        rows = slice(qb + block, C)                     # row blocks below it
+        if rows.start >= C:
+            continue
+        right = rnd(kf[qb : e + 1] * torch.exp(G[e] - G[qb : e + 1]))          # <= 1
+        left_k = rnd(kf[rows] * torch.exp(G[rows] - G[e]))                     # <= 1
+        left_q = rnd(qf[rows] * torch.exp(G[rows] - G[e]))
+        Akk[rows, qb : e + 1] = left_k @ right.T
+        Aqk[rows, qb : e + 1] = left_q @ right.T
+    for pb in range(0, C, block):
+        pe = min(pb + block, C)
+        for r in range(pb, pe):
+            d = torch.exp(G[r] - G[pb : r + 1])                                  # <= 1
+            Akk[r, pb : r] = (kf[r] * kf[pb:r] * d[:-1]).sum(-1)
+            Aqk[r, pb : r + 1] = (qf[r] * kf[pb : r + 1] * d).sum(-1)
+    Akk = torch.tril(Akk, -1) * beta.float()[:, None]
+    Aqk = torch.tril(Aqk) * scale
+    return Akk, Aqk
+
+
+def intra_chunk_exact(q, k, g, beta, scale):
+    """The same matrices straight from the definition, in float64."""
+    G = torch.cumsum(g.double(), dim=0)
+    qd, kd = q.double(), k.double()
+    D = torch.exp((G[:, None, :] - G[None, :, :]).clamp(max=0))  # only i <= r is kept
+    Akk = torch.tril(torch.einsum("rd,id,rid->ri", kd, kd, D), -1) * beta.double()[:, None]
+    Aqk = torch.tril(torch.einsum("rd,id,rid->ri", qd, kd, D)) * scale
+    return Akk, Aqk

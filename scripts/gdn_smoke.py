@@ -10,12 +10,12 @@ import cute_kernels as ck
 from cute_kernels import reference as ref
 
 
-def inputs(B, T, H, seed, dev="cuda"):
+def inputs(B, T, H, seed, dev="cuda", kda=False):
     gen = torch.Generator().manual_seed(seed)
     q = F.normalize(torch.randn(B, T, H, 128, generator=gen), dim=-1).bfloat16().to(dev)
     k = F.normalize(torch.randn(B, T, H, 128, generator=gen), dim=-1).bfloat16().to(dev)
     v = torch.randn(B, T, H, 128, generator=gen).bfloat16().to(dev)
-    g = F.logsigmoid(torch.randn(B, T, H, generator=gen)).clamp(min=-5.0).to(dev)
+    g = F.logsigmoid(torch.randn((B, T, H, 128) if kda else (B, T, H), generator=gen)).clamp(min=-5.0).to(dev)
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen)).bfloat16().to(dev)
     return q, k, v, g, beta
 
@@ -58,3 +58,18 @@ for solve in solves:
         fn()
         us = tt.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
         print(f"solve={solve} time B={B} H={H} T={T}: {us:.1f} us ({us / (T // 64):.2f} us per chunk)", flush=True)
+
+
+for B, T, H, init in [(2, 1000, 3, True), (1, 100, 1, False)]:
+    q, k, v, g, beta = inputs(B, T, H, 3, kda=True)
+    s0 = torch.randn(B, H, 128, 128, device="cuda") * 0.1 if init else None
+    o, s = ck.chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    wo, ws = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    print(f"KDA B={B} T={T} H={H}: o err {err(o, wo):.2e}, state err {err(s, ws):.2e}, nan {bool(o.isnan().any())}",
+          flush=True)
+for B, H, T in [(1, 4, 8192), (16, 64, 4096)]:
+    q, k, v, g, beta = inputs(B, T, H, 1, kda=True)
+    fn = lambda: ck.chunk_kda(q, k, v, g, beta, output_final_state=True)
+    fn()
+    us = tt.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+    print(f"KDA time B={B} H={H} T={T}: {us:.1f} us ({us / (T // 64):.2f} us per chunk)", flush=True)

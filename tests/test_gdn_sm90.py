@@ -16,11 +16,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 requires_sm90 = pytest.mark.skipif(gpu_arch() != "sm_90a", reason="needs an SM90 (Hopper) GPU")
 
 
-def make_inputs(B, T, H, gen, device="cpu", dtype=torch.bfloat16, K=128, V=128):
+def make_inputs(B, T, H, gen, device="cpu", dtype=torch.bfloat16, K=128, V=128, kda=False, decay=1.0):
     q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     v = torch.randn(B, T, H, V, generator=gen)
-    g = F.logsigmoid(torch.randn(B, T, H, generator=gen)).clamp(min=-5.0)
+    g = decay * F.logsigmoid(torch.randn((B, T, H, K) if kda else (B, T, H), generator=gen)).clamp(min=-5.0)
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
     cast = lambda t: t.to(dtype).to(device)
     return cast(q), cast(k), cast(v), g.to(device), cast(beta)
@@ -102,9 +102,10 @@ def test_smem_views_alias(tmp_path):
 # ---------------------------------------------------------------- GPU: against float64
 
 
-def run_and_check(B, T, H, gen, with_init, cu_seqlens=None, dtype=torch.bfloat16):
+def run_and_check(B, T, H, gen, with_init, cu_seqlens=None, dtype=torch.bfloat16, kda=False, decay=1.0):
     dev = torch.device("cuda")
-    q, k, v, g, beta = make_inputs(B, T, H, gen, dev, dtype)
+    q, k, v, g, beta = make_inputs(B, T, H, gen, dev, dtype, kda=kda, decay=decay)
+    op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     init = torch.randn(N, H, 128, 128, generator=gen).to(dev) * 0.1 if with_init else None
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32, device=dev)
@@ -113,8 +114,7 @@ def run_and_check(B, T, H, gen, with_init, cu_seqlens=None, dtype=torch.bfloat16
     outs = []
     for _ in range(2):
         out = (poisoned((B, T, H, 128), dtype, dev), poisoned((N, H, 128, 128), torch.float32, dev))
-        o, s = ck.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=True,
-                                         cu_seqlens=cu, out=out)
+        o, s = op(q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cu, out=out)
         assert not o.isnan().any() and not s.isnan().any()
         outs.append((o, s))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), "run-to-run difference"
@@ -163,4 +163,27 @@ def test_gdn_against_fla():
     gen = torch.Generator().manual_seed(9)
     q, k, v, g, beta, init, o, s = run_and_check(2, 1000, 4, gen, True)
     o_fla, s_fla = fla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=True)
+    assert rel_err(o, o_fla) <= 1e-2 and rel_err(s, s_fla) <= 1e-2
+
+
+@requires_sm90
+@pytest.mark.parametrize("T", [1, 64, 100, 1000])
+@pytest.mark.parametrize("with_init", [False, True])
+def test_kda_matches_reference(T, with_init):
+    run_and_check(2, T, 3, torch.Generator().manual_seed(T + 7 * with_init), with_init, kda=True)
+
+
+@requires_sm90
+def test_kda_varlen_and_strong_decay():
+    """Varlen, and decays far past FLA's lower bound (up to -20 per step and channel): still finite and right."""
+    run_and_check(1, 3000, 2, torch.Generator().manual_seed(3), True, cu_seqlens=[0, 1, 65, 65, 1000, 3000], kda=True)
+    run_and_check(1, 500, 2, torch.Generator().manual_seed(4), False, kda=True, decay=4.0)
+
+
+@requires_sm90
+def test_kda_against_fla():
+    fla = pytest.importorskip("fla.ops.kda")
+    gen = torch.Generator().manual_seed(19)
+    q, k, v, g, beta, init, o, s = run_and_check(2, 1000, 4, gen, True, kda=True)
+    o_fla, s_fla = fla.chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True)
     assert rel_err(o, o_fla) <= 1e-2 and rel_err(s, s_fla) <= 1e-2

@@ -94,12 +94,30 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     `scheduler` (from `schedulers`) decides the work decomposition (default: one CTA per sequence and head).
     `out=(o, final_state)` writes into given tensors (final_state may be None). SM90 only for now.
     """
-    B, T, H, K, V, N, cu = validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda=False, scale=scale)
+    return _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                    use_qk_l2norm_in_kernel, scheduler, out, kda=False)
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, use_qk_l2norm_in_kernel=False, scheduler=None, *, out=None):
+    """Kimi Delta Attention forward (one log-decay per key channel, g [B, T, H, K]), FLA 0.6 semantics.
+
+    Any g <= 0 is accepted: the intra-chunk products never exponentiate a positive number (see
+    cute_kernels/reference/kda_intra.py). Same extra arguments as `chunk_gated_delta_rule`. SM90 only for now.
+    """
+    return _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                    use_qk_l2norm_in_kernel, scheduler, out, kda=True)
+
+
+def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+             scheduler, out, kda: bool):
+    name = "chunk_kda" if kda else "chunk_gated_delta_rule"
+    B, T, H, K, V, N, cu = validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda=kda, scale=scale)
     from ..runtime.arch import device_arch
 
     device = q.device
     if device_arch(device) != "sm_90a":
-        raise NotImplementedError("chunk_gated_delta_rule runs on SM90 (Hopper) only for now")
+        raise NotImplementedError(f"{name} runs on SM90 (Hopper) only for now")
     if use_qk_l2norm_in_kernel:
         q = torch.nn.functional.normalize(q.float(), dim=-1).to(q.dtype)
         k = torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype)
@@ -128,24 +146,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         return o, final
     g32 = g if g.dtype == torch.float32 else g.float()
     dummy = final if store_final else torch.empty((1, 1, K, V), dtype=torch.float32, device=device)
-    compiled = compile_gdn_sm90(q.dtype, beta.dtype, initial_state is not None, store_final, schedule.persistent)
+    compiled = compile_gdn_sm90(q.dtype, beta.dtype, initial_state is not None, store_final, schedule.persistent,
+                                solve=GDN_SOLVE, kda=kda)
     compiled.fn(
-        q.view(B * T, H, K), k.view(B * T, H, K), v.view(B * T, H, V), g32.view(B * T, H), beta.view(B * T, H),
+        q.view(B * T, H, K), k.view(B * T, H, K), v.view(B * T, H, V), g32.view((B * T, H) + g.shape[3:]),
+        beta.view(B * T, H),
         o.view(B * T, H, V), initial_state if initial_state is not None else dummy, dummy,
         schedule.table_on(device), schedule.num_tiles, schedule.grid[0], scale,
     )
     # A sequence of zero tokens still has a tile (zero chunks): it copies its initial state to its final state.
     return o, final if output_final_state else None
-
-
-def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, use_qk_l2norm_in_kernel=False, scheduler=None):
-    """Kimi Delta Attention forward (one log-decay per key channel), FLA 0.6 semantics. Not yet (issue 4)."""
-    validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda=True, scale=scale)
-    raise NotImplementedError(
-        "chunk_kda: the SM90 KDA mainloop is not available yet (issue 4); "
-        "cute_kernels.reference.chunk_gated_delta_rule_ref computes the same function"
-    )
 
 
 # The in-chunk triangular solve of the SM90 kernel: "serial" (verified on the H200, slow: its 64-float column
@@ -154,8 +164,9 @@ GDN_SOLVE = "serial"
 
 
 def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial_state: bool,
-                     store_final_state: bool, persistent: bool = False, solve: str | None = None, dump_dir=None):
-    """Compile the SM90 GDN forward for one configuration (no GPU needed)."""
+                     store_final_state: bool, persistent: bool = False, solve: str | None = None,
+                     kda: bool = False, dump_dir=None):
+    """Compile the SM90 gated-delta-rule forward (GDN, or KDA with `kda`) for one configuration (no GPU needed)."""
     from schedulers.problem import NUM_TILE_FIELDS
 
     from ..kernels.sm90.gdn_fwd import ChunkGatedDeltaRuleFwdSm90
@@ -165,12 +176,12 @@ def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial
     cutlass = import_cutlass()
     io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
     solve = solve or GDN_SOLVE
-    kernel = ChunkGatedDeltaRuleFwdSm90(io, bt, has_initial_state, store_final_state, persistent, solve=solve)
+    kernel = ChunkGatedDeltaRuleFwdSm90(io, bt, has_initial_state, store_final_state, persistent, solve=solve, kda=kda)
     args = (
         fake_tensor(io, (DYN, DYN, 128)),
         fake_tensor(io, (DYN, DYN, 128)),
         fake_tensor(io, (DYN, DYN, 128)),
-        fake_tensor(f32, (DYN, DYN), align=4),
+        fake_tensor(f32, (DYN, DYN, 128) if kda else (DYN, DYN), align=4),
         fake_tensor(bt, (DYN, DYN), align=2),
         fake_tensor(io, (DYN, DYN, 128)),
         fake_tensor(f32, (DYN, DYN, 128, 128)),
@@ -181,5 +192,6 @@ def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial
         f32(1.0),
         fake_stream(),
     )
-    key = ("gdn_fwd_sm90", str(io_dtype), str(beta_dtype), has_initial_state, store_final_state, persistent, solve)
+    key = ("gdn_fwd_sm90", str(io_dtype), str(beta_dtype), has_initial_state, store_final_state, persistent, solve,
+           kda)
     return compile_kernel(key, kernel, *args, dump_dir=dump_dir)

@@ -1,6 +1,8 @@
-"""SM90 (Hopper) fused chunked forward of the gated delta rule with a scalar decay per head and token (GDN).
+"""SM90 (Hopper) fused chunked forward of the gated delta rule: GDN (a scalar decay per head and token) and,
+with `kda=True`, KDA (a decay per key channel).
 
-Status: compiles for sm_90a; not yet run on a GPU (see issue 4). The math is the chunked form of
+Status: GDN with the serial solve verified on the H200 (rel. err 3.3e-3 vs float64); the blocked solve and KDA
+compile for sm_90a and await their first GPU run (issue 4). The math is the chunked form of
 `shared/design/linear_attention.md` (`cute_kernels.reference.chunk_gated_delta_rule_ref` is its float64 spec).
 """
 
@@ -17,7 +19,7 @@ from schedulers.device import TileScheduler
 
 C = 64        # chunk length (tokens)
 HALF = 64     # V columns owned by one consumer warpgroup
-NUM_STAGES = 2
+NUM_STAGES = 2  # q/k/v ring depth for GDN (KDA: 1)
 
 
 def _smem_layout(rows: int, cols: int, dtype, stages: int = 1, mn_view: bool = False):
@@ -50,6 +52,10 @@ class ChunkGatedDeltaRuleFwdSm90:
     Pipelines: `PipelineTmaAsync` q/k/v ring (NUM_STAGES stages, producer = 1 thread, consumers = 8 warps);
     named barriers between the consumer phases inside a chunk (id 1: both consumer warpgroups; ids 2, 3: one).
 
+    KDA (`kda=True`): one q/k/v stage (the per-channel G [64 x 128] fp32 takes the second stage's room); step 1
+    becomes `kda_intra` (anchored 64 x 16 x 128 wgmma products below the diagonal blocks, exact sums inside
+    them), the gating of step 2 and the state decay of step 7 are per channel.
+
     Per chunk (rows r, i < L = tokens in the chunk; G = cumulative log decay inside the chunk):
       1. kk = k k^T (consumer 1) and qk = q k^T (consumer 2) on wgmma; scaled in registers by
          exp(G_r - G_i) (<= 1 for i <= r, no overflow), beta_r / scale, masked lower-triangular;
@@ -63,7 +69,8 @@ class ChunkGatedDeltaRuleFwdSm90:
     """
 
     def __init__(self, io_dtype, beta_dtype, has_initial_state: bool, store_final_state: bool,
-                 persistent: bool = False, k_dim: int = 128, v_dim: int = 128, solve: str = "serial"):
+                 persistent: bool = False, k_dim: int = 128, v_dim: int = 128, solve: str = "serial",
+                 kda: bool = False):
         if k_dim != 128 or v_dim != 128:
             raise ValueError(f"ChunkGatedDeltaRuleFwdSm90 supports K = V = 128, got K={k_dim}, V={v_dim}")
         self.io_dtype = io_dtype
@@ -76,6 +83,9 @@ class ChunkGatedDeltaRuleFwdSm90:
         if solve not in ("blocked", "serial"):
             raise ValueError(f"solve must be 'blocked' or 'serial', got {solve!r}")
         self.solve = solve
+        self.kda = kda
+        # KDA keeps the per-channel cumulative decay G [64 x 128] fp32 in smem (32 KB): one q/k/v stage then fits.
+        self.num_stages = 1 if kda else NUM_STAGES
         self.num_threads = 384
         self.tma_bytes = 3 * C * 128 * io_dtype.width // 8
 
@@ -112,12 +122,14 @@ class ChunkGatedDeltaRuleFwdSm90:
         tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(op, thd(k), tile_layout, (C, 128))
         tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(op, thd(v), tile_layout, (C, 128))
 
+        stages, kda = self.num_stages, self.kda
+
         @cute.struct
         class SharedStorage:
-            load_mbar: cute.struct.MemRange[cutlass.Int64, NUM_STAGES * 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[io, C * 128 * NUM_STAGES], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[io, C * 128 * NUM_STAGES], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[io, C * 128 * NUM_STAGES], 1024]
+            load_mbar: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[io, C * 128 * stages], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[io, C * 128 * stages], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[io, C * 128 * stages], 1024]
             sKb: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
             sNegW: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
             sX: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
@@ -130,8 +142,12 @@ class ChunkGatedDeltaRuleFwdSm90:
             sEG: cute.struct.MemRange[Float32, C]       # exp(G_r)
             sEGL: cute.struct.MemRange[Float32, C]      # exp(G_last - G_r), 0 past the chunk end
             sBeta: cute.struct.MemRange[Float32, C]     # beta_r, 0 past the chunk end
+            sGk: cute.struct.Align[cute.struct.MemRange[Float32, C * 128 if kda else 4], 16]  # KDA: G[r, d]
+            sGL: cute.struct.MemRange[Float32, 128 if kda else 4]   # KDA: G[L-1, d]
 
         self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB an SM90 CTA can have"
         self.kernel(
             tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
             g, beta, o, initial_state, final_state, tiles, num_tiles, scale,
@@ -162,16 +178,17 @@ class ChunkGatedDeltaRuleFwdSm90:
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.shared_storage)
 
-        def view(field, rows, cols, stages=1, mn_view=False):
+        def view(field, rows, cols, stages=1, mn_view=False, staged=False):
             layout = _smem_layout(rows, cols, io, stages, mn_view)
             t = field.get_tensor(layout.outer, swizzle=layout.inner)
-            return t if stages > 1 else t[None, None, 0]
+            return t if stages > 1 or staged else t[None, None, 0]
 
-        sQ = view(st.sQ, C, 128, NUM_STAGES)             # (token, channel, stage)
-        sK = view(st.sK, C, 128, NUM_STAGES)
-        sV = view(st.sV, C, 128, NUM_STAGES)
-        sK_mn = view(st.sK, C, 128, NUM_STAGES, True)    # (channel, token, stage)
-        sV_mn = view(st.sV, C, 128, NUM_STAGES, True)
+        ns = self.num_stages
+        sQ = view(st.sQ, C, 128, ns, staged=True)          # (token, channel, stage)
+        sK = view(st.sK, C, 128, ns, staged=True)
+        sV = view(st.sV, C, 128, ns, staged=True)
+        sK_mn = view(st.sK, C, 128, ns, True, True)        # (channel, token, stage)
+        sV_mn = view(st.sV, C, 128, ns, True, True)
         sKb_mn = view(st.sKb, C, 128, 1, True)           # (channel, token)
         sNegW = view(st.sNegW, C, 128)                   # (token, channel)
         sX = view(st.sX, C, C)
@@ -186,10 +203,14 @@ class ChunkGatedDeltaRuleFwdSm90:
         sEG = st.sEG.get_tensor(cute.make_layout(C))
         sEGL = st.sEGL.get_tensor(cute.make_layout(C))
         sBeta = st.sBeta.get_tensor(cute.make_layout(C))
+        sGk = st.sGk.get_tensor(cute.make_layout((C, 128), stride=(128, 1)) if self.kda else cute.make_layout((1, 4)))
+        sGL = st.sGL.get_tensor(cute.make_layout(128 if self.kda else 4))
+        sLq = view(st.sKb, C, 128)                           # KDA: left factors of the q rows (K-major A)
+        sR = view(st.sVnew, 16, 128)                         # KDA: right factor of one column block
 
         load = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.load_mbar.data_ptr(),
-            num_stages=NUM_STAGES,
+            num_stages=self.num_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
             tx_count=self.tma_bytes,
@@ -210,12 +231,12 @@ class ChunkGatedDeltaRuleFwdSm90:
             self.consumer(
                 sched, load, wg - 1, tidx - 128, mG, mBeta, mO, mS0, mSN, scale,
                 sQ, sK, sV, sK_mn, sV_mn, sKb_mn, sNegW, sX, sAqk, sVnew, sVnew_mn, sS, sS_mn,
-                sAkk, sY, sG, sEG, sEGL, sBeta,
+                sAkk, sY, sG, sEG, sEGL, sBeta, sGk, sGL, sLq, sR,
             )
 
     @cute.jit
     def producer(self, sched, load, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV):
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, NUM_STAGES)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         work = sched.initial_work()
         while work.is_valid:
             head = work.head
@@ -239,12 +260,12 @@ class ChunkGatedDeltaRuleFwdSm90:
     def consumer(
         self, sched, load, j, ctid, mG, mBeta, mO, mS0, mSN, scale,
         sQ, sK, sV, sK_mn, sV_mn, sKb_mn, sNegW, sX, sAqk, sVnew, sVnew_mn, sS, sS_mn,
-        sAkk, sY, sG, sEG, sEGL, sBeta,
+        sAkk, sY, sG, sEG, sEGL, sBeta, sGk, sGL, sLq, sR,
     ):
         io = self.io_dtype
         wtid = ctid % 128                       # thread index inside this consumer warpgroup
         v0 = j * HALF                           # first V column of this warpgroup
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, NUM_STAGES)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
 
         thr_kk = self.make_mma(False, False).get_slice(wtid)
         thr_ab = self.make_mma(False, True).get_slice(wtid)
@@ -280,62 +301,56 @@ class ChunkGatedDeltaRuleFwdSm90:
                 if L > C:
                     L = Int32(C)
                 # -- gates of this chunk (fp32), before waiting on the tile
-                if ctid < C:
-                    gv = Float32(0.0)
-                    bv = Float32(0.0)
-                    if ctid < L:
-                        gv = Float32(mG[t0 + ctid, head])
-                        bv = Float32(mBeta[t0 + ctid, head])
-                    sG[ctid] = gv
-                    sBeta[ctid] = bv
-                cute.arch.barrier(barrier_id=1, number_of_threads=256)
-                if ctid < C:
-                    acc_g = Float32(0.0)
-                    for i in cutlass.range(ctid + 1, unroll=4):
-                        acc_g = acc_g + sG[i]
-                    glast = Float32(0.0)
-                    for i in cutlass.range(L, unroll=4):
-                        glast = glast + sG[i]
-                    cute.arch.barrier(barrier_id=4, number_of_threads=64)
-                    sG[ctid] = acc_g
-                    sEG[ctid] = cute.math.exp(acc_g, fastmath=False)
-                    egl = Float32(0.0)
-                    if ctid < L:
-                        egl = cute.math.exp(glast - acc_g, fastmath=False)
-                    sEGL[ctid] = egl
+                if cutlass.const_expr(self.kda):
+                    self.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta)
+                else:
+                    self.gdn_gates(ctid, t0, L, head, mG, mBeta, sG, sEG, sEGL, sBeta)
                 load.consumer_wait(state)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 stage = state.index
 
                 # -- 1. kk (warpgroup 0) / qk (warpgroup 1) -> Akk fp32 / Aqk bf16
-                cc_kk = thr_kk.partition_C(cute.make_identity_tensor((C, C)))
-                acc_kk = cute.make_rmem_tensor(thr_kk.partition_shape_C((C, C)), Float32)
-                if j == 0:
-                    self.gemm(wtid, acc_kk, sK[None, None, stage], sK[None, None, stage], False, False, False)
-                    for i in cutlass.range_constexpr(cute.size(acc_kk)):
-                        r, col = cc_kk[i]
-                        val = Float32(0.0)
-                        if col < r and r < L:
-                            val = acc_kk[i] * cute.math.exp(sG[r] - sG[col], fastmath=False) * sBeta[r]
-                        sAkk[r, col] = val
+                if cutlass.const_expr(self.kda):
+                    self.kda_intra(j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sNegW, sLq, sR, sGk, sBeta)
                 else:
-                    self.gemm(wtid, acc_kk, sQ[None, None, stage], sK[None, None, stage], False, False, False)
-                    for i in cutlass.range_constexpr(cute.size(acc_kk)):
-                        r, col = cc_kk[i]
-                        val = Float32(0.0)
-                        if col <= r:
-                            val = acc_kk[i] * cute.math.exp(sG[r] - sG[col], fastmath=False) * scale
-                        sAqk[r, col] = io(val)
-                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                    cc_kk = thr_kk.partition_C(cute.make_identity_tensor((C, C)))
+                    acc_kk = cute.make_rmem_tensor(thr_kk.partition_shape_C((C, C)), Float32)
+                    if j == 0:
+                        self.gemm(wtid, acc_kk, sK[None, None, stage], sK[None, None, stage], False, False, False)
+                        for i in cutlass.range_constexpr(cute.size(acc_kk)):
+                            r, col = cc_kk[i]
+                            val = Float32(0.0)
+                            if col < r and r < L:
+                                val = acc_kk[i] * cute.math.exp(sG[r] - sG[col], fastmath=False) * sBeta[r]
+                            sAkk[r, col] = val
+                    else:
+                        self.gemm(wtid, acc_kk, sQ[None, None, stage], sK[None, None, stage], False, False, False)
+                        for i in cutlass.range_constexpr(cute.size(acc_kk)):
+                            r, col = cc_kk[i]
+                            val = Float32(0.0)
+                            if col <= r:
+                                val = acc_kk[i] * cute.math.exp(sG[r] - sG[col], fastmath=False) * scale
+                            sAqk[r, col] = io(val)
+                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
                 # -- 2. in-place gating of q, k, v and kb (all 256 consumer threads)
                 for e in cutlass.range(ctid, C * 128, 256, unroll=4):
                     r = e // 128
                     col = e % 128
+                    eg = Float32(0.0)
+                    egl = Float32(0.0)
+                    if cutlass.const_expr(self.kda):
+                        gr = sGk[r, col]
+                        eg = cute.math.exp(gr, fastmath=False)
+                        if r < L:
+                            egl = cute.math.exp(sGL[col] - gr, fastmath=False)
+                    else:
+                        eg = sEG[r]
+                        egl = sEGL[r]
                     kv = Float32(sK[r, col, stage])
-                    sKb_mn[col, r] = io(kv * sBeta[r] * sEG[r])
-                    sK[r, col, stage] = io(kv * sEGL[r])
-                    sQ[r, col, stage] = io(Float32(sQ[r, col, stage]) * sEG[r] * scale)
+                    sKb_mn[col, r] = io(kv * sBeta[r] * eg)
+                    sK[r, col, stage] = io(kv * egl)
+                    sQ[r, col, stage] = io(Float32(sQ[r, col, stage]) * eg * scale)
                     sV[r, col, stage] = io(Float32(sV[r, col, stage]) * sBeta[r])
 
                 # -- 3. X = (I + Akk)^-1 in fp32 -> bf16 sX
@@ -372,9 +387,14 @@ class ChunkGatedDeltaRuleFwdSm90:
                         mO[t0 + r, head, v0 + col] = io(acc_o[i])
 
                 # -- 7. S_j <- exp(G_last) S_j + (exp(G_last - G) k)^T v_new_j
-                decay_last = sEG[L - 1]
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    acc_s[i] = acc_s[i] * decay_last
+                if cutlass.const_expr(self.kda):
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        r, cidx = cc_s[i]
+                        acc_s[i] = acc_s[i] * cute.math.exp(sGL[r], fastmath=False)
+                else:
+                    decay_last = sEG[L - 1]
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        acc_s[i] = acc_s[i] * decay_last
                 self.gemm(wtid, acc_s, sK_mn[None, None, stage], sVnew_mn[None, None, j], True, True, True)
                 cute.arch.barrier(barrier_id=2 + j, number_of_threads=128)
                 self.store_state_copy(acc_s, cc_s, sS, j)
@@ -389,6 +409,120 @@ class ChunkGatedDeltaRuleFwdSm90:
                         r, cidx = cc_s[i]
                         mSN[seq, head, r, v0 + cidx] = acc_s[i]
             work = sched.advance(work)
+
+    @cute.jit
+    def gdn_gates(self, ctid, t0, L, head, mG, mBeta, sG, sEG, sEGL, sBeta):
+        """G_r = cumulative log decay in the chunk, exp(G_r), exp(G_last - G_r) (0 past the end), beta_r."""
+        if ctid < C:
+            gv = Float32(0.0)
+            bv = Float32(0.0)
+            if ctid < L:
+                gv = Float32(mG[t0 + ctid, head])
+                bv = Float32(mBeta[t0 + ctid, head])
+            sG[ctid] = gv
+            sBeta[ctid] = bv
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        if ctid < C:
+            acc_g = Float32(0.0)
+            for i in cutlass.range(ctid + 1, unroll=4):
+                acc_g = acc_g + sG[i]
+            glast = Float32(0.0)
+            for i in cutlass.range(L, unroll=4):
+                glast = glast + sG[i]
+            cute.arch.barrier(barrier_id=4, number_of_threads=64)
+            sG[ctid] = acc_g
+            sEG[ctid] = cute.math.exp(acc_g, fastmath=False)
+            egl = Float32(0.0)
+            if ctid < L:
+                egl = cute.math.exp(glast - acc_g, fastmath=False)
+            sEGL[ctid] = egl
+
+    @cute.jit
+    def kda_gates(self, ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta):
+        """G[r, d] = cumulative log decay per channel (threads 0..127, one channel each); G[L-1, d]; beta_r."""
+        if ctid < 128:
+            acc_g = Float32(0.0)
+            for r in cutlass.range(C, unroll=8):
+                gv = Float32(0.0)
+                if r < L:
+                    gv = Float32(mG[t0 + r, head, ctid])
+                acc_g = acc_g + gv
+                sGk[r, ctid] = acc_g
+            sGL[ctid] = acc_g
+        else:
+            r = ctid - 128
+            if r < C:
+                bv = Float32(0.0)
+                if r < L:
+                    bv = Float32(mBeta[t0 + r, head])
+                sBeta[r] = bv
+
+    @cute.jit
+    def kda_intra(self, j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sNegW, sLq, sR, sGk, sBeta):
+        """KDA Akk (fp32, beta on rows) and Aqk (bf16, scaled) without exponentiating positive numbers.
+
+        Below the diagonal blocks, per 16-row column block qb with anchor e = its last row:
+        [x_r exp(G_r - G_e)] @ [k_i exp(G_e - G_i)]^T on wgmma (64 x 16 x 128; warpgroup 0 for k, 1 for q);
+        the 16 x 16 diagonal blocks as exact pairwise channel sums (all 256 threads). See
+        cute_kernels/reference/kda_intra.py (the spec, tested on the CPU).
+        """
+        io = self.io_dtype
+        for e in cutlass.range(ctid, C * C, 256, unroll=4):
+            sAkk[e // C, e % C] = Float32(0.0)
+            sAqk[e // C, e % C] = io(0.0)
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        thr16 = self.make_mma(False, False, 16).get_slice(wtid)
+        cc16 = thr16.partition_C(cute.make_identity_tensor((C, 16)))
+        acc16 = cute.make_rmem_tensor(thr16.partition_shape_C((C, 16)), Float32)
+        for qb in cutlass.range_constexpr(3):
+            anchor = 16 * qb + 15
+            for e in cutlass.range(ctid, C * 128, 256, unroll=4):
+                r = e // 128
+                d = e % 128
+                lk = Float32(0.0)
+                lq = Float32(0.0)
+                if r > anchor:
+                    f = cute.math.exp(sGk[r, d] - sGk[anchor, d], fastmath=False)
+                    lk = Float32(sK[r, d, stage]) * f
+                    lq = Float32(sQ[r, d, stage]) * f
+                sNegW[r, d] = io(lk)
+                sLq[r, d] = io(lq)
+            for e in cutlass.range(ctid, 16 * 128, 256, unroll=4):
+                i = e // 128
+                d = e % 128
+                f = cute.math.exp(sGk[anchor, d] - sGk[16 * qb + i, d], fastmath=False)
+                sR[i, d] = io(Float32(sK[16 * qb + i, d, stage]) * f)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            if j == 0:
+                self.gemm(wtid, acc16, sNegW, sR, False, False, False, 16)
+                for i in cutlass.range_constexpr(cute.size(acc16)):
+                    r, col = cc16[i]
+                    if r > anchor:
+                        sAkk[r, 16 * qb + col] = acc16[i] * sBeta[r]
+            else:
+                self.gemm(wtid, acc16, sLq, sR, False, False, False, 16)
+                for i in cutlass.range_constexpr(cute.size(acc16)):
+                    r, col = cc16[i]
+                    if r > anchor:
+                        sAqk[r, 16 * qb + col] = io(acc16[i] * scale)
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        # Diagonal 16 x 16 blocks: exact sums over channels, exp(G_r - G_i) <= 1 for i <= r.
+        for e in cutlass.range(ctid, 4 * 256, 256, unroll=1):
+            base = (e // 256) * 16
+            r = base + (e % 256) // 16
+            i = base + e % 16
+            if i <= r:
+                skk = Float32(0.0)
+                sqk = Float32(0.0)
+                for d in cutlass.range(128, unroll=8):
+                    kid = Float32(sK[i, d, stage]) * cute.math.exp(sGk[r, d] - sGk[i, d], fastmath=False)
+                    skk = skk + Float32(sK[r, d, stage]) * kid
+                    sqk = sqk + Float32(sQ[r, d, stage]) * kid
+                if i < r:
+                    sAkk[r, i] = skk * sBeta[r]
+                sAqk[r, i] = io(sqk * scale)
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
     @cute.jit
     def solve_serial(self, ctid, sAkk, sX):
@@ -471,21 +605,21 @@ class ChunkGatedDeltaRuleFwdSm90:
             sS[r, cidx, j] = self.io_dtype(acc_s[i])
         cute.arch.fence_proxy("async.shared", space="cta")
 
-    def make_mma(self, a_mn_major: bool, b_mn_major: bool):
-        """A one-warpgroup tiled MMA with (64 x 64 x 16) atoms, bf16/fp16 operands from smem, fp32 acc."""
+    def make_mma(self, a_mn_major: bool, b_mn_major: bool, n: int = 64):
+        """A one-warpgroup tiled MMA with (64 x n x 16) atoms, bf16/fp16 operands from smem, fp32 acc."""
         major = lambda mn: warpgroup.OperandMajorMode.MN if mn else warpgroup.OperandMajorMode.K
-        op = warpgroup.MmaF16BF16Op(self.io_dtype, Float32, (64, 64, 16), warpgroup.OperandSource.SMEM,
+        op = warpgroup.MmaF16BF16Op(self.io_dtype, Float32, (64, n, 16), warpgroup.OperandSource.SMEM,
                                     major(a_mn_major), major(b_mn_major))
         return cute.make_tiled_mma(cute.make_mma_atom(op), (1, 1, 1))
 
     @cute.jit
-    def gemm(self, wtid, acc, sA, sB, a_mn_major: bool, b_mn_major: bool, accumulate: bool):
+    def gemm(self, wtid, acc, sA, sB, a_mn_major: bool, b_mn_major: bool, accumulate: bool, n: int = 64):
         """acc (+)= A B on one warpgroup (A: (M, K), B: (N, K) smem views), then wait for it.
 
         The tiled MMA is built here, not shared: its accumulate flag is IR state that must be defined in
         the control-flow region that uses it.
         """
-        tiled_mma = self.make_mma(a_mn_major, b_mn_major)
+        tiled_mma = self.make_mma(a_mn_major, b_mn_major, n)
         thr = tiled_mma.get_slice(wtid)
         tCrA = tiled_mma.make_fragment_A(thr.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr.partition_B(sB))

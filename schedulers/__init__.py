@@ -6,7 +6,7 @@ Device half (CuTe DSL, imported lazily): `schedulers.device.TileScheduler`.
 """
 
 from .heuristics import SegmentPlan, plan_segments
-from .host import PersistentScheduler, Schedule, SegmentScheduler, SequenceScheduler
+from .host import PersistentScheduler, Schedule, SegmentScheduler, SequenceScheduler, schedule_from_segmentation
 from .problem import NUM_TILE_FIELDS, TILE_FIELDS, Problem, Segmentation, WorkTile, ceil_div, split_even
 
 __all__ = [
@@ -22,5 +22,6 @@ __all__ = [
     "WorkTile",
     "ceil_div",
     "plan_segments",
+    "schedule_from_segmentation",
     "split_even",
 ]

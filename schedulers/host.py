@@ -146,3 +146,11 @@ class PersistentScheduler:
             tiles.sort(key=lambda t: (-longest[(t.seq, t.head, t.block)], t.seq, t.segment, t.head, t.block))
         grid = max(1, min(len(tiles), sm_count * ctas_per_sm))
         return Schedule(tiles, (grid, 1, 1), True, base.segmentation, self.name, base.plan)
+
+
+def schedule_from_segmentation(problem: Problem, segmentation: Segmentation, name: str = "segment") -> Schedule:
+    """One CTA per tile of a given segmentation (e.g. another launch's, with a different `num_blocks`)."""
+    if len(segmentation.bounds) != problem.num_seqs:
+        raise ValueError(f"segmentation has {len(segmentation.bounds)} sequences, the problem {problem.num_seqs}")
+    tiles = _tiles(problem, segmentation)
+    return Schedule(tiles, (max(1, len(tiles)), 1, 1), False, segmentation, name)

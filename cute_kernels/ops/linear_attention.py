@@ -76,12 +76,13 @@ def _schedule(scheduler, B, T, H, cu_seqlens, device):
     problem = Problem.varlen(cu_seqlens, H) if cu_seqlens is not None else Problem.fixed(B, T, H)
     scheduler = scheduler if scheduler is not None else SequenceScheduler()
     schedule = scheduler.schedule(problem, sm_count=_sm_count(device), ctas_per_sm=1)
-    if schedule.segmentation.total_segments != problem.num_seqs:
-        raise NotImplementedError(
-            f"scheduler {scheduler.name} split sequences into segments: the segmented forward (affine merge) "
-            "is not implemented yet (issue 5); use SequenceScheduler or PersistentScheduler()"
-        )
-    return schedule
+    if schedule.segmentation.total_segments == problem.num_seqs:
+        return schedule, None
+    # Segmented: a summary launch with two column blocks per tile (h_ext, M) over the same segmentation.
+    from schedulers import schedule_from_segmentation
+
+    blocks2 = Problem(problem.seq_lens, problem.seq_starts, H, problem.chunk_size, num_blocks=2)
+    return schedule, schedule_from_segmentation(blocks2, schedule.segmentation, "segment-summary")
 
 
 _schedule_cache: dict = {}
@@ -123,12 +124,13 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         k = torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype)
     scale = float(scale) if scale is not None else K ** -0.5
     key = (scheduler, B, T, H, cu, str(device))
-    schedule = _schedule_cache.get(key)
-    if schedule is None:
-        schedule = _schedule(scheduler, B, T, H, cu, device)
+    cached = _schedule_cache.get(key)
+    if cached is None:
+        cached = _schedule(scheduler, B, T, H, cu, device)
         if len(_schedule_cache) > 256:
             _schedule_cache.clear()
-        _schedule_cache[key] = schedule
+        _schedule_cache[key] = cached
+    schedule, summary_schedule = cached
     if out is not None:
         o, final = out
         check_tensor("out[o]", o, dtypes=(q.dtype,), ndim=4)
@@ -146,16 +148,30 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         return o, final
     g32 = g if g.dtype == torch.float32 else g.float()
     dummy = final if store_final else torch.empty((1, 1, K, V), dtype=torch.float32, device=device)
-    compiled = compile_gdn_sm90(q.dtype, beta.dtype, initial_state is not None, store_final, schedule.persistent,
-                                solve=GDN_SOLVE, kda=kda)
-    compiled.fn(
-        q.view(B * T, H, K), k.view(B * T, H, K), v.view(B * T, H, V), g32.view((B * T, H) + g.shape[3:]),
-        beta.view(B * T, H),
-        o.view(B * T, H, V), initial_state if initial_state is not None else dummy, dummy,
-        schedule.table_on(device), schedule.num_tiles, schedule.grid[0], scale,
-    )
-    # A sequence of zero tokens still has a tile (zero chunks): it copies its initial state to its final state.
-    return o, final if output_final_state else None
+    args = (q.view(B * T, H, K), k.view(B * T, H, K), v.view(B * T, H, V), g32.view((B * T, H) + g.shape[3:]),
+            beta.view(B * T, H), o.view(B * T, H, V))
+    init = initial_state is not None
+    # A sequence of zero tokens still has a tile (zero chunks): it copies its start state to its final state.
+    if summary_schedule is None:
+        compiled = compile_gdn_sm90(q.dtype, beta.dtype, init, store_final, schedule.persistent, GDN_SOLVE, kda)
+        compiled.fn(*args, initial_state if init else dummy, dummy,
+                    schedule.table_on(device), schedule.num_tiles, schedule.grid[0], scale)
+        return o, final if output_final_state else None
+    # Segmented forward: summaries (h_ext, M) of every segment from 0 / I, the affine merge into true start
+    # states, then every segment's outputs from its start state.
+    from .merge import affine_merge
+
+    slots = schedule.segmentation.total_segments
+    summary = torch.empty((2 * slots, H, K, V), dtype=torch.float32, device=device)
+    compiled = compile_gdn_sm90(q.dtype, beta.dtype, False, False, False, GDN_SOLVE, kda, mode="summary")
+    compiled.fn(*args, summary, summary, summary_schedule.table_on(device), summary_schedule.num_tiles,
+                summary_schedule.grid[0], scale)
+    merge_out = None if final is None else (torch.empty((slots, H, K, V), dtype=torch.float32, device=device), final)
+    starts, final_m = affine_merge(summary[slots:], summary[:slots], schedule.seg_offsets, initial_state,
+                                   out=merge_out)
+    compiled = compile_gdn_sm90(q.dtype, beta.dtype, True, False, False, GDN_SOLVE, kda, mode="segment_outputs")
+    compiled.fn(*args, starts, dummy, schedule.table_on(device), schedule.num_tiles, schedule.num_tiles, scale)
+    return o, final_m if output_final_state else None
 
 
 # The in-chunk triangular solve of the SM90 kernel: "serial" (verified on the H200, slow: its 64-float column
@@ -165,7 +181,7 @@ GDN_SOLVE = "serial"
 
 def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial_state: bool,
                      store_final_state: bool, persistent: bool = False, solve: str | None = None,
-                     kda: bool = False, dump_dir=None):
+                     kda: bool = False, mode: str = "forward", dump_dir=None):
     """Compile the SM90 gated-delta-rule forward (GDN, or KDA with `kda`) for one configuration (no GPU needed)."""
     from schedulers.problem import NUM_TILE_FIELDS
 
@@ -176,7 +192,8 @@ def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial
     cutlass = import_cutlass()
     io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
     solve = solve or GDN_SOLVE
-    kernel = ChunkGatedDeltaRuleFwdSm90(io, bt, has_initial_state, store_final_state, persistent, solve=solve, kda=kda)
+    kernel = ChunkGatedDeltaRuleFwdSm90(io, bt, has_initial_state, store_final_state, persistent, solve=solve, kda=kda,
+                                        mode=mode)
     args = (
         fake_tensor(io, (DYN, DYN, 128)),
         fake_tensor(io, (DYN, DYN, 128)),
@@ -193,5 +210,5 @@ def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial
         fake_stream(),
     )
     key = ("gdn_fwd_sm90", str(io_dtype), str(beta_dtype), has_initial_state, store_final_state, persistent, solve,
-           kda)
+           kda, mode)
     return compile_kernel(key, kernel, *args, dump_dir=dump_dir)

@@ -52,6 +52,11 @@ class ChunkGatedDeltaRuleFwdSm90:
     Pipelines: `PipelineTmaAsync` q/k/v ring (NUM_STAGES stages, producer = 1 thread, consumers = 8 warps);
     named barriers between the consumer phases inside a chunk (id 1: both consumer warpgroups; ids 2, 3: one).
 
+    Modes (compile time): `forward` (start from initial_state[seq], write o and final_state[seq]);
+    `summary` (tiles carry block 0 / 1: run the segment from 0 with the real v / from I with zero v, write the
+    end state to summary[block * slots + seg_slot] = (h_ext, M), no o); `segment_outputs` (start from
+    start_states[seg_slot], write o). Together with `affine_merge` they make the segmented forward.
+
     KDA (`kda=True`): one q/k/v stage (the per-channel G [64 x 128] fp32 takes the second stage's room); step 1
     becomes `kda_intra` (anchored 64 x 16 x 128 wgmma products below the diagonal blocks, exact sums inside
     them), the gating of step 2 and the state decay of step 7 are per channel.
@@ -70,7 +75,7 @@ class ChunkGatedDeltaRuleFwdSm90:
 
     def __init__(self, io_dtype, beta_dtype, has_initial_state: bool, store_final_state: bool,
                  persistent: bool = False, k_dim: int = 128, v_dim: int = 128, solve: str = "serial",
-                 kda: bool = False):
+                 kda: bool = False, mode: str = "forward"):
         if k_dim != 128 or v_dim != 128:
             raise ValueError(f"ChunkGatedDeltaRuleFwdSm90 supports K = V = 128, got K={k_dim}, V={v_dim}")
         self.io_dtype = io_dtype
@@ -82,8 +87,11 @@ class ChunkGatedDeltaRuleFwdSm90:
         self.v_dim = v_dim
         if solve not in ("blocked", "serial"):
             raise ValueError(f"solve must be 'blocked' or 'serial', got {solve!r}")
+        if mode not in ("forward", "summary", "segment_outputs"):
+            raise ValueError(f"mode must be 'forward', 'summary' or 'segment_outputs', got {mode!r}")
         self.solve = solve
         self.kda = kda
+        self.mode = mode
         # KDA keeps the per-channel cumulative decay G [64 x 128] fp32 in smem (32 KB): one q/k/v stage then fits.
         self.num_stages = 1 if kda else NUM_STAGES
         self.num_threads = 384
@@ -100,8 +108,8 @@ class ChunkGatedDeltaRuleFwdSm90:
         g: cute.Tensor,            # [T, H] fp32, per-step log decay
         beta: cute.Tensor,         # [T, H]
         o: cute.Tensor,            # [T, H, V]
-        initial_state: cute.Tensor,  # [N, H, K, V] fp32 (read only if has_initial_state)
-        final_state: cute.Tensor,    # [N, H, K, V] fp32 (written only if store_final_state)
+        initial_state: cute.Tensor,  # [N, H, K, V] fp32 (if has_initial_state); segment_outputs: [slots, H, K, V]
+        final_state: cute.Tensor,    # [N, H, K, V] fp32 (if store_final_state); summary: [2 * slots, H, K, V]
         tiles: cute.Tensor,        # [num_tiles, NUM_TILE_FIELDS] int32 (a Schedule's table)
         num_tiles: Int32,
         grid_x: Int32,
@@ -285,10 +293,20 @@ class ChunkGatedDeltaRuleFwdSm90:
             tok0 = work.tok_start
             tok_end = work.tok_end
 
-            # State S_j <- initial state (or 0); bf16 copy for the products.
+            # State S_j <- its start value; bf16 copy for the products.
+            #   forward: initial_state[seq] (or 0); segment_outputs: start_states[seg_slot];
+            #   summary: block 0 (h_ext columns) from 0, block 1 (M columns) from the identity.
+            blk = work.block
+            slot = work.seg_slot
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 r, cidx = cc_s[i]
-                if cutlass.const_expr(self.has_initial_state):
+                if cutlass.const_expr(self.mode == "summary"):
+                    acc_s[i] = Float32(0.0)
+                    if blk == 1 and r == v0 + cidx:
+                        acc_s[i] = Float32(1.0)
+                elif cutlass.const_expr(self.mode == "segment_outputs"):
+                    acc_s[i] = mS0[slot, head, r, v0 + cidx]
+                elif cutlass.const_expr(self.has_initial_state):
                     acc_s[i] = mS0[seq, head, r, v0 + cidx]
                 else:
                     acc_s[i] = Float32(0.0)
@@ -351,7 +369,11 @@ class ChunkGatedDeltaRuleFwdSm90:
                     sKb_mn[col, r] = io(kv * sBeta[r] * eg)
                     sK[r, col, stage] = io(kv * egl)
                     sQ[r, col, stage] = io(Float32(sQ[r, col, stage]) * eg * scale)
-                    sV[r, col, stage] = io(Float32(sV[r, col, stage]) * sBeta[r])
+                    vscale = sBeta[r]
+                    if cutlass.const_expr(self.mode == "summary"):
+                        if blk == 1:
+                            vscale = Float32(0.0)  # M columns: the recurrence on the identity with zero values
+                    sV[r, col, stage] = io(Float32(sV[r, col, stage]) * vscale)
 
                 # -- 3. X = (I + Akk)^-1 in fp32 -> bf16 sX
                 if cutlass.const_expr(self.solve == "blocked"):
@@ -378,13 +400,14 @@ class ChunkGatedDeltaRuleFwdSm90:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=2 + j, number_of_threads=128)
 
-                # -- 6. o_j = (scale exp(G) q) S_j + Aqk v_new_j
-                self.gemm(wtid, acc_o, sQ[None, None, stage], sS_mn[None, None, j], False, True, False)
-                self.gemm(wtid, acc_o, sAqk, sVnew_mn[None, None, j], False, True, True)
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    r, col = cc_ab[i]
-                    if r < L:
-                        mO[t0 + r, head, v0 + col] = io(acc_o[i])
+                # -- 6. o_j = (scale exp(G) q) S_j + Aqk v_new_j (not in summary mode)
+                if cutlass.const_expr(self.mode != "summary"):
+                    self.gemm(wtid, acc_o, sQ[None, None, stage], sS_mn[None, None, j], False, True, False)
+                    self.gemm(wtid, acc_o, sAqk, sVnew_mn[None, None, j], False, True, True)
+                    for i in cutlass.range_constexpr(cute.size(acc_o)):
+                        r, col = cc_ab[i]
+                        if r < L:
+                            mO[t0 + r, head, v0 + col] = io(acc_o[i])
 
                 # -- 7. S_j <- exp(G_last) S_j + (exp(G_last - G) k)^T v_new_j
                 if cutlass.const_expr(self.kda):
@@ -403,7 +426,13 @@ class ChunkGatedDeltaRuleFwdSm90:
                 load.consumer_release(state)
                 state.advance()
 
-            if cutlass.const_expr(self.store_final_state):
+            if cutlass.const_expr(self.mode == "summary"):
+                # summary[block * slots + seg_slot]: block 0 holds h_ext, block 1 holds M.
+                nslots = mSN.shape[0] // 2
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    r, cidx = cc_s[i]
+                    mSN[blk * nslots + slot, head, r, v0 + cidx] = acc_s[i]
+            elif cutlass.const_expr(self.store_final_state):
                 if work.is_last_segment:
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
                         r, cidx = cc_s[i]

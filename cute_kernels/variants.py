@@ -36,11 +36,12 @@ def _variants() -> list[Variant]:
     from .ops.merge import compile_affine_merge, compile_lse_merge
 
     out = []
-    for k, v, init in [(128, 128, True), (128, 128, False), (64, 64, True)]:
+    for k, v, init, staged in [(128, 128, True, False), (128, 128, False, False), (64, 64, True, False),
+                               (128, 128, True, True), (64, 64, False, True)]:
         out.append(Variant(
-            "affine_merge", f"affine_merge_k{k}_v{v}{'_init' if init else ''}",
-            lambda d, k=k, v=v, init=init: compile_affine_merge(k, v, init, dump_dir=d),
-            ptx_must_have=("ld.global.v4", "fma.rn.f32", "bar.sync"),
+            "affine_merge", f"affine_merge_k{k}_v{v}{'_init' if init else ''}{'_staged' if staged else ''}",
+            lambda d, k=k, v=v, init=init, staged=staged: compile_affine_merge(k, v, init, staged, dump_dir=d),
+            ptx_must_have=("ld.global.v4", "fma.rn.f32", "bar.sync") + (("ld.shared.v4",) if staged else ()),
         ))
     for dim, dt in [(128, torch.bfloat16), (128, torch.float16), (128, torch.float32), (64, torch.bfloat16)]:
         tag = str(dt).replace("torch.", "")

@@ -59,7 +59,11 @@ def test_lse_merge_bad_input():
 @requires_gpu
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 64), (128, 64)])
 @pytest.mark.parametrize("with_init", [True, False])
-def test_affine_merge_matches_reference(K, V, with_init):
+@pytest.mark.parametrize("impl", ["simt", "staged"])
+def test_affine_merge_matches_reference(K, V, with_init, impl, monkeypatch):
+    import cute_kernels.ops.merge as merge_ops
+
+    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", impl)
     gen = torch.Generator().manual_seed(1000 * K + V + with_init)
     dev = torch.device("cuda")
     # Varlen layout straight from a scheduler: very unequal lengths, one sequence with 0 tokens.
@@ -81,7 +85,11 @@ def test_affine_merge_matches_reference(K, V, with_init):
 
 
 @requires_gpu
-def test_affine_merge_long_chain():
+@pytest.mark.parametrize("impl", ["simt", "staged"])
+def test_affine_merge_long_chain(impl, monkeypatch):
+    import cute_kernels.ops.merge as merge_ops
+
+    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", impl)
     gen = torch.Generator().manual_seed(7)
     dev = torch.device("cuda")
     M, h = summaries(64, 2, 128, 128, dev, gen)

@@ -41,7 +41,9 @@ def _variants() -> list[Variant]:
         out.append(Variant(
             "affine_merge", f"affine_merge_k{k}_v{v}{'_init' if init else ''}{'_staged' if staged else ''}",
             lambda d, k=k, v=v, init=init, staged=staged: compile_affine_merge(k, v, init, staged, dump_dir=d),
-            ptx_must_have=("ld.global.v4", "fma.rn.f32", "bar.sync") + (("ld.shared.v4",) if staged else ()),
+            # 16-byte global loads: ld.global.v4.b32 (sm_90a) or ld.global.v2.b64 (sm_100a, staged copy)
+            ptx_must_have=("fma.rn.f32", "bar.sync") + (("ld.shared.v4",) if staged else ("ld.global.v4",)),
+            ptx_must_have_sm90=("ld.global.v4",),
         ))
     for dim, dt in [(128, torch.bfloat16), (128, torch.float16), (128, torch.float32), (64, torch.bfloat16)]:
         tag = str(dt).replace("torch.", "")

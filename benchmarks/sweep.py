@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up budget, ms")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench measuring budget, ms")
     p.add_argument("--no-ours", action="store_true", help="time only the peer")
+    p.add_argument("--scheduler", default="default", choices=["default", "segment"],
+                   help="kda/gdn: ours with its default scheduler, or SegmentScheduler() (segment count chosen "
+                        "per cell by plan_segments, shown in the JSON's extra.plan); results get a '-segment' tag")
     p.add_argument("--limit-cells", type=int, default=None, help="only the first N cells of the grid")
     p.add_argument("--bw-tbs", type=float, default=roofline.BW_BYTES_PER_S / 1e12, help="bandwidth ceiling, TB/s")
     p.add_argument("--tflops", type=float, default=roofline.TENSOR_FLOPS_PER_S / 1e12, help="compute ceiling, TFLOP/s")
@@ -237,6 +240,13 @@ def main(argv=None) -> int:
     else:
         ours, why = ops.load_ours(args.op)
         ours_status = why or f"cute_kernels.{ops.OURS_ATTR[args.op]}"
+        if ours is not None and args.scheduler == "segment" and args.op in ("kda", "gdn"):
+            import functools
+
+            from schedulers import SegmentScheduler
+
+            ours = functools.partial(ours, scheduler=SegmentScheduler())
+            ours_status += " (scheduler=SegmentScheduler())"
         if ours is None:
             print(f"note: {why}; timing the peer only", file=sys.stderr)
 
@@ -280,7 +290,8 @@ def main(argv=None) -> int:
             print(report.format_report(rows, op=args.op, grid=args.grid, device=device_name,
                                        sm_count=props.multi_processor_count,
                                        group_starts=grids.group_starts(rows_def)))
-            stem = report.result_stem(args.out, args.op, args.grid, device_name, date)
+            tag = args.grid + ("-segment" if args.scheduler == "segment" else "")
+            stem = report.result_stem(args.out, args.op, tag, device_name, date)
             meta["complete"] = finished
             json_path = report.write_json(stem.with_suffix(".json"), meta, rows)
             png_path = report.write_heatmap(rows, stem.with_suffix(".png"),

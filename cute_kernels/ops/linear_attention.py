@@ -86,6 +86,12 @@ def _schedule(scheduler, B, T, H, cu_seqlens, device):
 
 
 _schedule_cache: dict = {}
+_last_schedule = None
+
+
+def last_plan() -> str | None:
+    """How the last chunk_gated_delta_rule / chunk_kda call split its work (the schedule's `explain()`)."""
+    return None if _last_schedule is None else _last_schedule.explain()
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -131,6 +137,8 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
             _schedule_cache.clear()
         _schedule_cache[key] = cached
     schedule, summary_schedule = cached
+    global _last_schedule
+    _last_schedule = schedule
     if out is not None:
         o, final = out
         check_tensor("out[o]", o, dtypes=(q.dtype,), ndim=4)

@@ -47,17 +47,19 @@ def compile_probe(persistent: bool, dump_dir=None):
     from cute_kernels.runtime.arch import import_cutlass
     from cute_kernels.runtime.compile import DYN, compile_kernel, fake_stream, fake_tensor
 
-    cutlass = import_cutlass()
-    i32 = cutlass.Int32
-    args = (
-        fake_tensor(i32, (DYN, NUM_TILE_FIELDS), align=4),
-        i32(1),
-        fake_tensor(i32, (DYN, DYN, NUM_TILE_FIELDS), align=4),
-        fake_tensor(i32, (DYN,), align=4),
-        i32(1),
-        fake_stream(),
-    )
-    return compile_kernel(("scheduler_probe", persistent), SchedulerProbe(persistent), *args, dump_dir=dump_dir)
+    def build():
+        i32 = import_cutlass().Int32
+        args = (
+            fake_tensor(i32, (DYN, NUM_TILE_FIELDS), align=4),
+            i32(1),
+            fake_tensor(i32, (DYN, DYN, NUM_TILE_FIELDS), align=4),
+            fake_tensor(i32, (DYN,), align=4),
+            i32(1),
+            fake_stream(),
+        )
+        return SchedulerProbe(persistent), args
+
+    return compile_kernel(("scheduler_probe", persistent), build, dump_dir=dump_dir)
 
 
 def run_probe(schedule, max_per_cta: int = 64):

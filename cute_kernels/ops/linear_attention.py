@@ -191,32 +191,38 @@ def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial
                      store_final_state: bool, persistent: bool = False, solve: str | None = None,
                      kda: bool = False, mode: str = "forward", dump_dir=None):
     """Compile the SM90 gated-delta-rule forward (GDN, or KDA with `kda`) for one configuration (no GPU needed)."""
-    from schedulers.problem import NUM_TILE_FIELDS
-
-    from ..kernels.sm90.gdn_fwd import ChunkGatedDeltaRuleFwdSm90
-    from ..runtime.arch import import_cutlass
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
 
-    cutlass = import_cutlass()
-    io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
     solve = solve or GDN_SOLVE
-    kernel = ChunkGatedDeltaRuleFwdSm90(io, bt, has_initial_state, store_final_state, persistent, solve=solve, kda=kda,
-                                        mode=mode)
-    args = (
-        fake_tensor(io, (DYN, DYN, 128)),
-        fake_tensor(io, (DYN, DYN, 128)),
-        fake_tensor(io, (DYN, DYN, 128)),
-        fake_tensor(f32, (DYN, DYN, 128) if kda else (DYN, DYN), align=4),
-        fake_tensor(bt, (DYN, DYN), align=2),
-        fake_tensor(io, (DYN, DYN, 128)),
-        fake_tensor(f32, (DYN, DYN, 128, 128)),
-        fake_tensor(f32, (DYN, DYN, 128, 128)),
-        fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
-        cutlass.Int32(1),
-        cutlass.Int32(1),
-        f32(1.0),
-        fake_stream(),
-    )
     key = ("gdn_fwd_sm90", str(io_dtype), str(beta_dtype), has_initial_state, store_final_state, persistent, solve,
            kda, mode)
-    return compile_kernel(key, kernel, *args, dump_dir=dump_dir)
+
+    def build():
+        from schedulers.problem import NUM_TILE_FIELDS
+
+        from ..runtime.arch import import_cutlass
+
+        cutlass = import_cutlass()  # sets CUTE_DSL_ARCH before the kernel module imports cutlass
+        from ..kernels.sm90.gdn_fwd import ChunkGatedDeltaRuleFwdSm90
+
+        io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
+        kernel = ChunkGatedDeltaRuleFwdSm90(io, bt, has_initial_state, store_final_state, persistent, solve=solve,
+                                            kda=kda, mode=mode)
+        args = (
+            fake_tensor(io, (DYN, DYN, 128)),
+            fake_tensor(io, (DYN, DYN, 128)),
+            fake_tensor(io, (DYN, DYN, 128)),
+            fake_tensor(f32, (DYN, DYN, 128) if kda else (DYN, DYN), align=4),
+            fake_tensor(bt, (DYN, DYN), align=2),
+            fake_tensor(io, (DYN, DYN, 128)),
+            fake_tensor(f32, (DYN, DYN, 128, 128)),
+            fake_tensor(f32, (DYN, DYN, 128, 128)),
+            fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            f32(1.0),
+            fake_stream(),
+        )
+        return kernel, args
+
+    return compile_kernel(key, build, dump_dir=dump_dir)

@@ -31,23 +31,27 @@ AFFINE_MERGE_IMPL = "simt"
 
 
 def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, staged: bool | None = None, dump_dir=None):
-    from ..kernels.merge import AffineMerge
-    from ..runtime.arch import import_cutlass
-
-    cutlass = import_cutlass()
-    f32, i32 = cutlass.Float32, cutlass.Int32
     staged = (AFFINE_MERGE_IMPL == "staged") if staged is None else staged
-    kernel = AffineMerge(k_dim, v_dim, has_initial_state, staged)
-    args = (
-        fake_tensor(f32, (DYN, DYN, k_dim, k_dim)),
-        fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
-        fake_tensor(i32, (DYN,), align=4),
-        fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
-        fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
-        fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
-        fake_stream(),
-    )
-    return compile_kernel(("affine_merge", k_dim, v_dim, has_initial_state, staged), kernel, *args, dump_dir=dump_dir)
+
+    def build():
+        from ..runtime.arch import import_cutlass
+
+        cutlass = import_cutlass()  # sets CUTE_DSL_ARCH before the kernel module imports cutlass
+        from ..kernels.merge import AffineMerge
+
+        f32, i32 = cutlass.Float32, cutlass.Int32
+        args = (
+            fake_tensor(f32, (DYN, DYN, k_dim, k_dim)),
+            fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
+            fake_tensor(i32, (DYN,), align=4),
+            fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
+            fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
+            fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
+            fake_stream(),
+        )
+        return AffineMerge(k_dim, v_dim, has_initial_state, staged), args
+
+    return compile_kernel(("affine_merge", k_dim, v_dim, has_initial_state, staged), build, dump_dir=dump_dir)
 
 
 def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None):
@@ -87,22 +91,25 @@ def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None):
 
 
 def compile_lse_merge(head_dim: int, out_dtype: torch.dtype, dump_dir=None):
-    from ..kernels.merge import LseMerge
-    from ..runtime.arch import import_cutlass
+    def build():
+        from ..runtime.arch import import_cutlass
 
-    cutlass = import_cutlass()
-    f32, i32 = cutlass.Float32, cutlass.Int32
-    out = cutlass_dtype(out_dtype)
-    kernel = LseMerge(head_dim, out)
-    args = (
-        fake_tensor(f32, (DYN, DYN, head_dim)),
-        fake_tensor(f32, (DYN, DYN), align=4),
-        fake_tensor(i32, (DYN,), align=4),
-        fake_tensor(out, (DYN, DYN, head_dim), align=8 if out_dtype != torch.float32 else 16),
-        fake_tensor(f32, (DYN, DYN), align=4),
-        fake_stream(),
-    )
-    return compile_kernel(("lse_merge", head_dim, str(out_dtype)), kernel, *args, dump_dir=dump_dir)
+        cutlass = import_cutlass()  # sets CUTE_DSL_ARCH before the kernel module imports cutlass
+        from ..kernels.merge import LseMerge
+
+        f32, i32 = cutlass.Float32, cutlass.Int32
+        out = cutlass_dtype(out_dtype)
+        args = (
+            fake_tensor(f32, (DYN, DYN, head_dim)),
+            fake_tensor(f32, (DYN, DYN), align=4),
+            fake_tensor(i32, (DYN,), align=4),
+            fake_tensor(out, (DYN, DYN, head_dim), align=8 if out_dtype != torch.float32 else 16),
+            fake_tensor(f32, (DYN, DYN), align=4),
+            fake_stream(),
+        )
+        return LseMerge(head_dim, out), args
+
+    return compile_kernel(("lse_merge", head_dim, str(out_dtype)), build, dump_dir=dump_dir)
 
 
 def lse_merge(o_partial, lse_partial, seg_offsets=None, out_dtype=torch.bfloat16, *, out=None):

@@ -24,8 +24,20 @@ def arch_of_capability(major: int, minor: int) -> str | None:
     return None
 
 
+_arch_by_device: dict = {}
+
+
 def device_arch(device=None) -> str:
-    """The arch string of a CUDA device; raises UnsupportedDeviceError if there is none we support."""
+    """The arch string of a CUDA device (cached per device); raises UnsupportedDeviceError if unsupported."""
+    hit = _arch_by_device.get(device)
+    if hit is not None:
+        return hit
+    arch = _query_device_arch(device)
+    _arch_by_device[device] = arch
+    return arch
+
+
+def _query_device_arch(device) -> str:
     import torch
 
     if not torch.cuda.is_available():

@@ -75,7 +75,7 @@ class ChunkGatedDeltaRuleFwdSm90:
 
     def __init__(self, io_dtype, beta_dtype, has_initial_state: bool, store_final_state: bool,
                  persistent: bool = False, k_dim: int = 128, v_dim: int = 128, solve: str = "serial",
-                 kda: bool = False, mode: str = "forward"):
+                 kda: bool = False, mode: str = "forward", skip: tuple = ()):
         if k_dim != 128 or v_dim != 128:
             raise ValueError(f"ChunkGatedDeltaRuleFwdSm90 supports K = V = 128, got K={k_dim}, V={v_dim}")
         self.io_dtype = io_dtype
@@ -92,6 +92,11 @@ class ChunkGatedDeltaRuleFwdSm90:
         self.solve = solve
         self.kda = kda
         self.mode = mode
+        # Profiling by subtraction only: stages left out (results are wrong), see scripts/gdn_profile.py.
+        unknown = set(skip) - {"gates", "intra", "gating", "solve", "wu", "vnew", "out", "state"}
+        if unknown:
+            raise ValueError(f"unknown stages to skip: {sorted(unknown)}")
+        self.skip = tuple(sorted(skip))
         # KDA keeps the per-channel cumulative decay G [64 x 128] fp32 in smem (32 KB): one q/k/v stage then fits.
         self.num_stages = 1 if kda else NUM_STAGES
         self.num_threads = 384
@@ -319,64 +324,70 @@ class ChunkGatedDeltaRuleFwdSm90:
                 if L > C:
                     L = Int32(C)
                 # -- gates of this chunk (fp32), before waiting on the tile
-                if cutlass.const_expr(self.kda):
-                    self.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta)
-                else:
-                    self.gdn_gates(ctid, t0, L, head, mG, mBeta, sG, sEG, sEGL, sBeta)
+                if cutlass.const_expr("gates" not in self.skip):
+                    if cutlass.const_expr(self.kda):
+                        self.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta)
+                    else:
+                        self.gdn_gates(ctid, t0, L, head, mG, mBeta, sG, sEG, sEGL, sBeta)
+
                 load.consumer_wait(state)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 stage = state.index
 
                 # -- 1. kk (warpgroup 0) / qk (warpgroup 1) -> Akk fp32 / Aqk bf16
-                if cutlass.const_expr(self.kda):
-                    self.kda_intra(j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sNegW, sLq, sR, sGk, sBeta)
-                else:
-                    cc_kk = thr_kk.partition_C(cute.make_identity_tensor((C, C)))
-                    acc_kk = cute.make_rmem_tensor(thr_kk.partition_shape_C((C, C)), Float32)
-                    if j == 0:
-                        self.gemm(wtid, acc_kk, sK[None, None, stage], sK[None, None, stage], False, False, False)
-                        for i in cutlass.range_constexpr(cute.size(acc_kk)):
-                            r, col = cc_kk[i]
-                            val = Float32(0.0)
-                            if col < r and r < L:
-                                val = acc_kk[i] * cute.math.exp(sG[r] - sG[col], fastmath=False) * sBeta[r]
-                            sAkk[r, col] = val
+                if cutlass.const_expr("intra" not in self.skip):
+                    if cutlass.const_expr(self.kda):
+                        self.kda_intra(j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sNegW, sLq, sR, sGk, sBeta)
                     else:
-                        self.gemm(wtid, acc_kk, sQ[None, None, stage], sK[None, None, stage], False, False, False)
-                        for i in cutlass.range_constexpr(cute.size(acc_kk)):
-                            r, col = cc_kk[i]
-                            val = Float32(0.0)
-                            if col <= r:
-                                val = acc_kk[i] * cute.math.exp(sG[r] - sG[col], fastmath=False) * scale
-                            sAqk[r, col] = io(val)
-                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                        cc_kk = thr_kk.partition_C(cute.make_identity_tensor((C, C)))
+                        acc_kk = cute.make_rmem_tensor(thr_kk.partition_shape_C((C, C)), Float32)
+                        if j == 0:
+                            self.gemm(wtid, acc_kk, sK[None, None, stage], sK[None, None, stage], False, False, False)
+                            for i in cutlass.range_constexpr(cute.size(acc_kk)):
+                                r, col = cc_kk[i]
+                                val = Float32(0.0)
+                                if col < r and r < L:
+                                    val = acc_kk[i] * cute.math.exp(sG[r] - sG[col], fastmath=False) * sBeta[r]
+                                sAkk[r, col] = val
+                        else:
+                            self.gemm(wtid, acc_kk, sQ[None, None, stage], sK[None, None, stage], False, False, False)
+                            for i in cutlass.range_constexpr(cute.size(acc_kk)):
+                                r, col = cc_kk[i]
+                                val = Float32(0.0)
+                                if col <= r:
+                                    val = acc_kk[i] * cute.math.exp(sG[r] - sG[col], fastmath=False) * scale
+                                sAqk[r, col] = io(val)
+                        cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
                 # -- 2. in-place gating of q, k, v and kb (all 256 consumer threads)
-                for e in cutlass.range(ctid, C * 128, 256, unroll=4):
-                    r = e // 128
-                    col = e % 128
-                    eg = Float32(0.0)
-                    egl = Float32(0.0)
-                    if cutlass.const_expr(self.kda):
-                        gr = sGk[r, col]
-                        eg = cute.math.exp(gr, fastmath=False)
-                        if r < L:
-                            egl = cute.math.exp(sGL[col] - gr, fastmath=False)
-                    else:
-                        eg = sEG[r]
-                        egl = sEGL[r]
-                    kv = Float32(sK[r, col, stage])
-                    sKb_mn[col, r] = io(kv * sBeta[r] * eg)
-                    sK[r, col, stage] = io(kv * egl)
-                    sQ[r, col, stage] = io(Float32(sQ[r, col, stage]) * eg * scale)
-                    vscale = sBeta[r]
-                    if cutlass.const_expr(self.mode == "summary"):
-                        if blk == 1:
-                            vscale = Float32(0.0)  # M columns: the recurrence on the identity with zero values
-                    sV[r, col, stage] = io(Float32(sV[r, col, stage]) * vscale)
+                if cutlass.const_expr("gating" not in self.skip):
+                    for e in cutlass.range(ctid, C * 128, 256, unroll=4):
+                        r = e // 128
+                        col = e % 128
+                        eg = Float32(0.0)
+                        egl = Float32(0.0)
+                        if cutlass.const_expr(self.kda):
+                            gr = sGk[r, col]
+                            eg = cute.math.exp(gr, fastmath=False)
+                            if r < L:
+                                egl = cute.math.exp(sGL[col] - gr, fastmath=False)
+                        else:
+                            eg = sEG[r]
+                            egl = sEGL[r]
+                        kv = Float32(sK[r, col, stage])
+                        sKb_mn[col, r] = io(kv * sBeta[r] * eg)
+                        sK[r, col, stage] = io(kv * egl)
+                        sQ[r, col, stage] = io(Float32(sQ[r, col, stage]) * eg * scale)
+                        vscale = sBeta[r]
+                        if cutlass.const_expr(self.mode == "summary"):
+                            if blk == 1:
+                                vscale = Float32(0.0)  # M columns: the recurrence on the identity with zero values
+                        sV[r, col, stage] = io(Float32(sV[r, col, stage]) * vscale)
 
                 # -- 3. X = (I + Akk)^-1 in fp32 -> bf16 sX
-                if cutlass.const_expr(self.solve == "blocked"):
+                if cutlass.const_expr("solve" in self.skip):
+                    pass
+                elif cutlass.const_expr(self.solve == "blocked"):
                     self.solve_blocked(ctid, sAkk, sY, sX)
                 else:
                     self.solve_serial(ctid, sAkk, sX)
@@ -384,24 +395,27 @@ class ChunkGatedDeltaRuleFwdSm90:
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
                 # -- 4. w columns of this warpgroup (-> smem, negated) and u_j (registers)
-                self.gemm(wtid, acc, sX, cute.local_tile(sKb_mn, (HALF, C), (j, 0)), False, True, False)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    r, col = cc_ab[i]
-                    sNegW[r, v0 + col] = io(-acc[i])
-                self.gemm(wtid, acc, sX, cute.local_tile(sV_mn[None, None, stage], (HALF, C), (j, 0)), False, True, False)
+                if cutlass.const_expr("wu" not in self.skip):
+                    self.gemm(wtid, acc, sX, cute.local_tile(sKb_mn, (HALF, C), (j, 0)), False, True, False)
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        r, col = cc_ab[i]
+                        sNegW[r, v0 + col] = io(-acc[i])
+                    self.gemm(wtid, acc, sX, cute.local_tile(sV_mn[None, None, stage], (HALF, C), (j, 0)), False, True,
+                              False)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
                 # -- 5. v_new_j = u_j - w S_j
-                self.gemm(wtid, acc, sNegW, sS_mn[None, None, j], False, True, True)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    r, col = cc_ab[i]
-                    sVnew[r, col, j] = io(acc[i])
+                if cutlass.const_expr("vnew" not in self.skip):
+                    self.gemm(wtid, acc, sNegW, sS_mn[None, None, j], False, True, True)
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        r, col = cc_ab[i]
+                        sVnew[r, col, j] = io(acc[i])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=2 + j, number_of_threads=128)
 
                 # -- 6. o_j = (scale exp(G) q) S_j + Aqk v_new_j (not in summary mode)
-                if cutlass.const_expr(self.mode != "summary"):
+                if cutlass.const_expr(self.mode != "summary" and "out" not in self.skip):
                     self.gemm(wtid, acc_o, sQ[None, None, stage], sS_mn[None, None, j], False, True, False)
                     self.gemm(wtid, acc_o, sAqk, sVnew_mn[None, None, j], False, True, True)
                     for i in cutlass.range_constexpr(cute.size(acc_o)):
@@ -410,17 +424,20 @@ class ChunkGatedDeltaRuleFwdSm90:
                             mO[t0 + r, head, v0 + col] = io(acc_o[i])
 
                 # -- 7. S_j <- exp(G_last) S_j + (exp(G_last - G) k)^T v_new_j
-                if cutlass.const_expr(self.kda):
-                    for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        r, cidx = cc_s[i]
-                        acc_s[i] = acc_s[i] * cute.math.exp(sGL[r], fastmath=False)
-                else:
-                    decay_last = sEG[L - 1]
-                    for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        acc_s[i] = acc_s[i] * decay_last
-                self.gemm(wtid, acc_s, sK_mn[None, None, stage], sVnew_mn[None, None, j], True, True, True)
+                if cutlass.const_expr("state" not in self.skip):
+                    if cutlass.const_expr(self.kda):
+                        for i in cutlass.range_constexpr(cute.size(acc_s)):
+                            r, cidx = cc_s[i]
+                            acc_s[i] = acc_s[i] * cute.math.exp(sGL[r], fastmath=False)
+                    else:
+                        decay_last = sEG[L - 1]
+                        for i in cutlass.range_constexpr(cute.size(acc_s)):
+                            acc_s[i] = acc_s[i] * decay_last
+                    self.gemm(wtid, acc_s, sK_mn[None, None, stage], sVnew_mn[None, None, j], True, True, True)
+
                 cute.arch.barrier(barrier_id=2 + j, number_of_threads=128)
-                self.store_state_copy(acc_s, cc_s, sS, j)
+                if cutlass.const_expr("state" not in self.skip):
+                    self.store_state_copy(acc_s, cc_s, sS, j)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 load.consumer_release(state)

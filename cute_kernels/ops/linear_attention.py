@@ -8,6 +8,8 @@ final_state or None).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .checks import check_cuda, check_shape, check_tensor
@@ -59,6 +61,7 @@ def validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda: bool, scal
     return B, T, H, K, V, N, cu
 
 
+_CHECK_GATES = os.environ.get("CUTE_KERNELS_CHECK_GATES", "0") == "1"
 _sm_counts: dict = {}
 
 
@@ -110,7 +113,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     """Kimi Delta Attention forward (one log-decay per key channel, g [B, T, H, K]), FLA 0.6 semantics.
 
     Any g <= 0 is accepted: the intra-chunk products never exponentiate a positive number (see
-    cute_kernels/reference/kda_intra.py). Same extra arguments as `chunk_gated_delta_rule`. SM90 only for now.
+    cute_kernels/reference/kda_intra.py), so no lower bound is needed. g > 0 (growth, not decay) is outside the
+    contract of both ops; it is not checked by default because the check is a pass over g: set
+    CUTE_KERNELS_CHECK_GATES=1 to assert g <= 0 on the device (asynchronously, no host sync).
+    Same extra arguments as `chunk_gated_delta_rule`. SM90 only for now.
     """
     return _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                     use_qk_l2norm_in_kernel, scheduler, out, kda=True)
@@ -154,6 +160,8 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         if store_final:
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return o, final
+    if _CHECK_GATES:
+        torch._assert_async((g <= 0).all(), "g must be <= 0 (a log decay)")
     g32 = g if g.dtype == torch.float32 else g.float()
     dummy = final if store_final else torch.empty((1, 1, K, V), dtype=torch.float32, device=device)
     args = (q.view(B * T, H, K), k.view(B * T, H, K), v.view(B * T, H, V), g32.view((B * T, H) + g.shape[3:]),

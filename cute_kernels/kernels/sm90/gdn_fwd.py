@@ -41,7 +41,7 @@ def _one(layout):
 
 
 class ChunkGatedDeltaRuleFwdSm90:
-    """Fused GDN forward on Hopper: one CTA per work tile (sequence, head, chunk range), state kept on chip.
+    """Fused GDN / KDA forward on Hopper: one CTA per work tile (sequence, head, chunk range), state on chip.
 
     Warp roles (384 threads, 3 warpgroups):
     - warpgroup 0, warp 0: producer. Issues TMA (`cp.async.bulk.tensor`) loads of the q, k, v chunk tiles
@@ -66,11 +66,14 @@ class ChunkGatedDeltaRuleFwdSm90:
          exp(G_r - G_i) (<= 1 for i <= r, no overflow), beta_r / scale, masked lower-triangular;
          Akk -> fp32 smem, Aqk -> bf16 smem.
       2. In place in the stage buffers: q <- scale exp(G) q, k <- exp(G_L - G) k, v <- beta v; kb = beta exp(G) k.
-      3. X = (I + Akk)^-1 by forward substitution (64 threads, one column each, fp32) -> bf16 smem.
+      3. X = (I + Akk)^-1 in fp32 -> bf16 smem: `solve="serial"` (64 threads, one column each) or
+         `solve="blocked"` (16 x 16 diagonal blocks by substitution, off-diagonal blocks as small products).
       4. Consumer j: w[:, cols j] = X kb -> -w bf16 smem; u_j = X v_j (registers).
       5. v_new_j = u_j - w S_j (wgmma, S_j bf16 in smem) -> bf16 smem.
       6. o_j = q S_j + Aqk v_new_j -> global (rows < L).
       7. S_j <- exp(G_L) S_j + k^T v_new_j (wgmma accumulating into the state registers) -> bf16 smem copy.
+    The gates (G, exp(G), beta) of a chunk are computed by the consumers from global memory before they wait for
+    its tile. `skip` leaves stages out, for timing by subtraction only.
     """
 
     def __init__(self, io_dtype, beta_dtype, has_initial_state: bool, store_final_state: bool,

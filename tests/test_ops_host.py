@@ -104,3 +104,16 @@ def test_forward_orchestration(emulated, kda, segments, varlen):
     assert emulated == (["forward"] if segments is None else ["summary", "segment_outputs"])
     assert ((o.double() - want_o).norm() / want_o.norm()).item() < 1e-2  # bf16 output rounding
     assert ((s.double() - want_s).norm() / want_s.norm()).item() < 1e-5
+
+
+def test_auto_segments(emulated, monkeypatch):
+    """scheduler=None with AUTO_SEGMENTS: small B x H and long T get segments (plan visible in last_plan())."""
+    monkeypatch.setattr(la, "AUTO_SEGMENTS", True)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, g, beta = inputs(1, 1024, 2, False, gen)
+    o, s = la.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True)
+    assert emulated == ["summary", "segment_outputs"]
+    assert "segments per sequence: 4" in la.last_plan()  # 16 chunks / min_chunks 4
+    assert ((s.double() - want_s).norm() / want_s.norm()).item() < 1e-5
+    assert ((o.double() - want_o).norm() / want_o.norm()).item() < 1e-2

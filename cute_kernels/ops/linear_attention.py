@@ -72,12 +72,18 @@ def _sm_count(device) -> int:
     return _sm_counts[idx]
 
 
+# scheduler=None: with AUTO_SEGMENTS, SegmentScheduler() (plan_segments picks N per call: 1 when the tiles fill
+# the GPU); without, SequenceScheduler(). Off until the segmented path has run on a GPU (issue 5).
+AUTO_SEGMENTS = False
+
+
 def _schedule(scheduler, B, T, H, cu_seqlens, device):
     """The work tiles of this call (host side; cached per (scheduler, shape) by the Schedule's table)."""
-    from schedulers import Problem, SequenceScheduler
+    from schedulers import Problem, SegmentScheduler, SequenceScheduler
 
     problem = Problem.varlen(cu_seqlens, H) if cu_seqlens is not None else Problem.fixed(B, T, H)
-    scheduler = scheduler if scheduler is not None else SequenceScheduler()
+    if scheduler is None:
+        scheduler = SegmentScheduler() if AUTO_SEGMENTS else SequenceScheduler()
     schedule = scheduler.schedule(problem, sm_count=_sm_count(device), ctas_per_sm=1)
     if schedule.segmentation.total_segments == problem.num_seqs:
         return schedule, None

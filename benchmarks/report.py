@@ -153,6 +153,23 @@ def format_table(
     return "\n".join(lines)
 
 
+def segments(row: dict):
+    """Most segments per sequence that ours used in this cell, parsed from its plan (`last_plan()`), or None."""
+    import re
+
+    plan = _extra(row, "plan")
+    if not isinstance(plan, str):
+        return None
+    m = re.search(r"segments per sequence: (?:(\d+) \(all|\[([\d, ]+)\]|(\d+)\.\.(\d+))", plan)
+    if not m:
+        return None
+    if m.group(1):
+        return float(m.group(1))
+    if m.group(2):
+        return float(max(int(x) for x in m.group(2).split(",")))
+    return float(m.group(4))
+
+
 def format_report(
     rows: list[dict],
     *,
@@ -190,6 +207,8 @@ def format_report(
                 mark_lose=True, mark_err=True, **kw,
             ))
         parts.append(format_table(rows, peer_graph_us, f"peer_graph_us  ({peer}, CUDA-graph replay)", **kw))
+    if any(segments(r) is not None for r in rows):
+        parts.append(format_table(rows, segments, "segments per sequence chosen by ours (plan_segments)", **kw))
     return "\n\n".join(parts)
 
 

@@ -239,3 +239,15 @@ def test_graph_tables_and_heatmap(tmp_path):
     assert "7.14" in text  # graph speed-up of (1, 4, 64)
     path = report.write_heatmap(rows, tmp_path / "g.png", graph=True)
     assert path.stat().st_size > 1000
+
+
+def test_segments_parsed_from_plan():
+    from benchmarks import report
+    from schedulers import Problem, SegmentScheduler, SequenceScheduler
+
+    plan = SegmentScheduler().schedule(Problem.fixed(1, 8192, 4), 132, 1).explain()
+    assert report.segments({"extra": {"plan": plan}}) == 32.0
+    plan = SegmentScheduler().schedule(Problem.varlen([0, 100, 20000], 4), 132, 1).explain()
+    assert report.segments({"extra": {"plan": plan}}) == 32.0
+    assert report.segments({"extra": {"plan": SequenceScheduler().schedule(Problem.fixed(1, 64, 4)).explain()}}) is None
+    assert report.segments({"extra": {}}) is None

@@ -79,13 +79,15 @@ def _variants() -> list[Variant]:
         ptx_must_have=("wgmma.mma_async.sync.aligned.m64n16k16", "cp.async.bulk.tensor", "setmaxnreg.inc"),
         archs=("sm_90a",),
     ))
-    for mode in ("summary", "segment_outputs"):
-        out.append(Variant(
-            "chunk_gated_delta_rule", f"gdn_fwd_sm90_bfloat16_{mode}",
-            lambda d, mode=mode: compile_gdn_sm90(torch.bfloat16, torch.bfloat16, True, False, mode=mode, dump_dir=d),
-            ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"),
-            archs=("sm_90a",),
-        ))
+    for kda in (False, True):
+        for mode in ("summary", "segment_outputs"):
+            out.append(Variant(
+                "chunk_kda" if kda else "chunk_gated_delta_rule", f"{'kda' if kda else 'gdn'}_fwd_sm90_bfloat16_{mode}",
+                lambda d, mode=mode, kda=kda: compile_gdn_sm90(torch.bfloat16, torch.bfloat16, True, False, kda=kda,
+                                                               mode=mode, dump_dir=d),
+                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"),
+                archs=("sm_90a",),
+            ))
     try:
         from schedulers.probe import probe_variants
     except ImportError:

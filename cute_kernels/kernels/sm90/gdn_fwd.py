@@ -353,13 +353,14 @@ class ChunkGatedDeltaRuleFwdSm90:
                                     val = acc_kk[i] * cute.math.exp(sG[r] - sG[col], fastmath=False) * sBeta[r]
                                 sAkk[r, col] = val
                         else:
-                            self.gemm(wtid, acc_kk, sQ[None, None, stage], sK[None, None, stage], False, False, False)
-                            for i in cutlass.range_constexpr(cute.size(acc_kk)):
-                                r, col = cc_kk[i]
-                                val = Float32(0.0)
-                                if col <= r:
-                                    val = acc_kk[i] * cute.math.exp(sG[r] - sG[col], fastmath=False) * scale
-                                sAqk[r, col] = io(val)
+                            if cutlass.const_expr(self.mode != "summary"):  # Aqk only feeds the outputs
+                                self.gemm(wtid, acc_kk, sQ[None, None, stage], sK[None, None, stage], False, False, False)
+                                for i in cutlass.range_constexpr(cute.size(acc_kk)):
+                                    r, col = cc_kk[i]
+                                    val = Float32(0.0)
+                                    if col <= r:
+                                        val = acc_kk[i] * cute.math.exp(sG[r] - sG[col], fastmath=False) * scale
+                                    sAqk[r, col] = io(val)
                         cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
                 # -- 2. in-place gating of q, k, v and kb (all 256 consumer threads)
@@ -535,7 +536,8 @@ class ChunkGatedDeltaRuleFwdSm90:
                     lk = Float32(sK[r, d, stage]) * f
                     lq = Float32(sQ[r, d, stage]) * f
                 sNegW[r, d] = io(lk)
-                sLq[r, d] = io(lq)
+                if cutlass.const_expr(self.mode != "summary"):  # Aqk only feeds the outputs
+                    sLq[r, d] = io(lq)
             for e in cutlass.range(ctid, 16 * 128, 256, unroll=4):
                 i = e // 128
                 d = e % 128
@@ -550,11 +552,12 @@ class ChunkGatedDeltaRuleFwdSm90:
                     if r > anchor:
                         sAkk[r, 16 * qb + col] = acc16[i] * sBeta[r]
             else:
-                self.gemm(wtid, acc16, sLq, sR, False, False, False, 16)
-                for i in cutlass.range_constexpr(cute.size(acc16)):
-                    r, col = cc16[i]
-                    if r > anchor:
-                        sAqk[r, 16 * qb + col] = io(acc16[i] * scale)
+                if cutlass.const_expr(self.mode != "summary"):
+                    self.gemm(wtid, acc16, sLq, sR, False, False, False, 16)
+                    for i in cutlass.range_constexpr(cute.size(acc16)):
+                        r, col = cc16[i]
+                        if r > anchor:
+                            sAqk[r, 16 * qb + col] = io(acc16[i] * scale)
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
         # Diagonal 16 x 16 blocks: exact sums over channels, exp(G_r - G_i) <= 1 for i <= r.
         for e in cutlass.range(ctid, 4 * 256, 256, unroll=1):

@@ -28,8 +28,8 @@ for stage in $stages; do
     gdn-smoke)
       timeout -s KILL $t python3 scripts/gdn_smoke.py 2>&1 | tee "$out/gdn_smoke.log" | grep -v Warn | tail -25
       status=$((status | ${PIPESTATUS[0]})) ;;
-    gdn-profile)
-      timeout -s KILL $t python3 scripts/gdn_profile.py gdn blocked 2>&1 | tee "$out/gdn_profile.log" | grep -v Warn
+    gdn-profile|kda-profile)
+      timeout -s KILL $t python3 scripts/gdn_profile.py ${stage%-profile} blocked 2>&1 | tee "$out/$stage.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
     merge-time)
       timeout -s KILL $t python3 scripts/time_merges.py 2>&1 | tee "$out/merge_time.log" | grep -v Warn

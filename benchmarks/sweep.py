@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="kda/gdn: ours with its default scheduler, or SegmentScheduler() (segment count chosen "
                         "per cell by plan_segments, shown in the JSON's extra.plan); results get a '-segment' tag")
     p.add_argument("--limit-cells", type=int, default=None, help="only the first N cells of the grid")
+    p.add_argument("--cells", default=None, metavar="START:END",
+                   help="only cells START..END-1 of the grid (to split a long sweep across device calls; the files "
+                        "get a _cellsSTART-END tag; python -m benchmarks.combine joins the parts)")
     p.add_argument("--bw-tbs", type=float, default=roofline.BW_BYTES_PER_S / 1e12, help="bandwidth ceiling, TB/s")
     p.add_argument("--tflops", type=float, default=roofline.TENSOR_FLOPS_PER_S / 1e12, help="compute ceiling, TFLOP/s")
     p.add_argument("--graph", action="store_true",
@@ -254,6 +257,9 @@ def main(argv=None) -> int:
     ceilings = roofline.Ceilings.from_cli(args.bw_tbs, args.tflops)
     rows_def = grids.get_grid(args.grid)
     todo = grids.cells(rows_def)[: args.limit_cells]
+    if args.cells:
+        start, _, end = args.cells.partition(":")
+        todo = todo[int(start or 0): int(end) if end else None]
     props = torch.cuda.get_device_properties(0)
     device_name = torch.cuda.get_device_name(0)
     l2_bytes = getattr(props, "L2_cache_size", 0) or L2_BYTES
@@ -291,6 +297,8 @@ def main(argv=None) -> int:
                                        sm_count=props.multi_processor_count,
                                        group_starts=grids.group_starts(rows_def)))
             tag = args.grid + ("-segment" if args.scheduler == "segment" else "")
+            if args.cells:
+                tag += "_cells" + args.cells.replace(":", "-")
             stem = report.result_stem(args.out, args.op, tag, device_name, date)
             meta["complete"] = finished
             json_path = report.write_json(stem.with_suffix(".json"), meta, rows)

@@ -251,3 +251,24 @@ def test_segments_parsed_from_plan():
     assert report.segments({"extra": {"plan": plan}}) == 32.0
     assert report.segments({"extra": {"plan": SequenceScheduler().schedule(Problem.fixed(1, 64, 4)).explain()}}) is None
     assert report.segments({"extra": {}}) is None
+
+
+def test_combine_parts(tmp_path):
+    from benchmarks import combine, report
+
+    base = {"op": "kda", "grid": "small", "device": "NVIDIA H200", "timer": "do_bench", "graph": False,
+            "peer": "fla", "ours": "x", "date": "2026-12-02", "sm_count": 132, "complete": True}
+    row = lambda B, H, T, us: {"op": "kda", "B": B, "H": H, "T": T, "ours_us": us, "peer": "fla", "peer_us": 2 * us,
+                               "speedup": 2.0, "floor_us": 1.0, "extra": {}}
+    p1 = report.write_json(tmp_path / "a.json", base, [row(1, 4, 256, 10.0), row(1, 4, 1024, 20.0)])
+    p2 = report.write_json(tmp_path / "b.json", base, [row(2, 8, 256, 30.0)])
+    assert combine.main([str(tmp_path / "all.json"), str(p1), str(p2)]) == 0
+    d = report.read_json(tmp_path / "all.json")
+    assert len(d["rows"]) == 3 and d["parts"] == 2 and d["complete"]
+    assert (tmp_path / "all.png").stat().st_size > 0
+    other = dict(base, op="gdn")
+    p3 = report.write_json(tmp_path / "c.json", other, [row(2, 8, 256, 30.0)])
+    import pytest
+
+    with pytest.raises(ValueError, match="differ in 'op'"):
+        combine.combine([report.read_json(p1), report.read_json(p3)])

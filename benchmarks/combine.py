@@ -1,0 +1,58 @@
+"""Join the JSON files of a sweep run in parts (`--cells START:END`) into one result: JSON, heatmaps, tables.
+
+    python -m benchmarks.combine OUT.json PART1.json PART2.json ...
+
+Parts must be of the same op, grid, device and timing setup; a cell measured twice keeps its last measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from benchmarks import grids, report
+
+
+def combine(parts: list[dict]) -> tuple[dict, list[dict]]:
+    if not parts:
+        raise ValueError("no parts given")
+    keys = ("op", "grid", "device", "timer", "graph", "peer", "ours")
+    meta = {k: v for k, v in parts[0].items() if k != "rows"}
+    for p in parts[1:]:
+        for k in keys:
+            if p.get(k) != meta.get(k):
+                raise ValueError(f"parts differ in {k!r}: {meta.get(k)!r} vs {p.get(k)!r}")
+    cells = {}
+    for p in parts:
+        for row in p["rows"]:
+            cells[(row["B"], row["H"], row["T"])] = row
+    meta["complete"] = all(p.get("complete", False) for p in parts)
+    meta["parts"] = len(parts)
+    return meta, list(cells.values())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.combine")
+    ap.add_argument("out", help="the combined JSON path (PNG heatmaps are written beside it)")
+    ap.add_argument("parts", nargs="+")
+    args = ap.parse_args(argv)
+    meta, rows = combine([report.read_json(p) for p in args.parts])
+    out = Path(args.out)
+    report.write_json(out, meta, rows)
+    title = f"{meta['op']} {meta['grid']} {meta['device']} {meta.get('date', '')}  ({meta.get('peer', '')})"
+    report.write_heatmap(rows, out.with_suffix(".png"), title=title)
+    if report.has_graph(rows):
+        report.write_heatmap(rows, out.with_name(out.stem + "_graph.png"), title=title + "  CUDA graph", graph=True)
+    try:
+        starts = grids.group_starts(grids.get_grid(meta["grid"]))
+    except Exception:
+        starts = ()
+    print(report.format_report(rows, op=meta["op"], grid=meta["grid"], device=meta["device"],
+                               sm_count=meta.get("sm_count"), group_starts=starts))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

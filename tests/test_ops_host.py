@@ -117,3 +117,26 @@ def test_auto_segments(emulated, monkeypatch):
     assert "segments per sequence: 4" in la.last_plan()  # 16 chunks / min_chunks 4
     assert ((s.double() - want_s).norm() / want_s.norm()).item() < 1e-5
     assert ((o.double() - want_o).norm() / want_o.norm()).item() < 1e-2
+
+
+def test_no_final_state_and_out_checks(emulated):
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, g, beta = inputs(1, 100, 2, False, gen)
+    o, s = la.chunk_gated_delta_rule(q, k, v, g, beta)
+    assert s is None and o.shape == v.shape
+    with pytest.raises(ValueError, match=r"out\[o\] must have shape"):
+        la.chunk_gated_delta_rule(q, k, v, g, beta, out=(torch.empty(1, 99, 2, 128, dtype=q.dtype), None))
+    with pytest.raises(TypeError, match=r"out\[final_state\] must have dtype"):
+        la.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
+                                  out=(torch.empty_like(v), torch.empty(1, 2, 128, 128, dtype=torch.float64)))
+
+
+def test_empty_sequence_batch(emulated):
+    """T = 0: no launch; the final state is the initial state (zeros without one)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, g, beta = inputs(2, 0, 2, True, gen)
+    s0 = torch.randn(2, 2, 128, 128, generator=gen)
+    o, s = la.chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    assert o.shape == (2, 0, 2, 128) and torch.equal(s, s0) and emulated == []
+    o, s = la.chunk_kda(q, k, v, g, beta, output_final_state=True)
+    assert torch.equal(s, torch.zeros_like(s0))

@@ -118,9 +118,10 @@ class AffineMerge:
                 s2 = s_tile[4 * k4 + 2, col]
                 s3 = s_tile[4 * k4 + 3, col]
                 for i in cutlass.range_constexpr(RPT):
-                    m_row = cute.local_tile(m[slot, head, row0 + i, None], (4,), (k4,))
                     if cutlass.const_expr(self.staged):
                         m_row = cute.local_tile(s_m[row0 + i, None], (4,), (k4,))
+                    else:
+                        m_row = cute.local_tile(m[slot, head, row0 + i, None], (4,), (k4,))
                     m4 = cute.make_rmem_tensor((4,), Float32)
                     cute.autovec_copy(m_row, m4)
                     acc[i] = acc[i] + m4[0] * s0 + m4[1] * s1 + m4[2] * s2 + m4[3] * s3

@@ -90,14 +90,7 @@ def _parse_cu_seqlens(cu_seqlens, B: int, T: int) -> List[int]:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
     if B != 1:
         raise ValueError(f"cu_seqlens requires batch size B == 1 (sequences packed along T), got B = {B}")
-    bounds = [int(x) for x in cu_seqlens.tolist()]
-    if bounds[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {bounds[0]}")
-    if any(b1 < b0 for b0, b1 in zip(bounds[:-1], bounds[1:])):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
-    if bounds[-1] != T:
-        raise ValueError(f"cu_seqlens must end at T = {T}, got {bounds[-1]}")
-    return bounds
+    return _parse_offsets("cu_seqlens", cu_seqlens, T, total_label=f"T = {T}")
 
 
 def _prepare(
@@ -450,7 +443,7 @@ def chunk_summaries(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _parse_offsets(name: str, offsets, total: int) -> List[int]:
+def _parse_offsets(name: str, offsets, total: int, total_label: str | None = None) -> List[int]:
     if isinstance(offsets, torch.Tensor):
         if offsets.is_floating_point() or offsets.is_complex() or offsets.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers, got dtype {offsets.dtype}")
@@ -471,7 +464,7 @@ def _parse_offsets(name: str, offsets, total: int) -> List[int]:
     if any(b < a for a, b in zip(vals[:-1], vals[1:])):
         raise ValueError(f"{name} must be non-decreasing, got {vals}")
     if vals[-1] != total:
-        raise ValueError(f"{name} must end at {total}, got {vals[-1]}")
+        raise ValueError(f"{name} must end at {total_label or total}, got {vals[-1]}")
     return vals
 
 

@@ -68,12 +68,6 @@ def _variants() -> list[Variant]:
             archs=("sm_90a",),
         ))
     out.append(Variant(
-        "chunk_gated_delta_rule", "gdn_fwd_sm90_bfloat16_blocked_solve",
-        lambda d: compile_gdn_sm90(torch.bfloat16, torch.bfloat16, True, True, solve="blocked", dump_dir=d),
-        ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec"),
-        archs=("sm_90a",),
-    ))
-    out.append(Variant(
         "chunk_kda", "kda_fwd_sm90_bfloat16_init_final",
         lambda d: compile_gdn_sm90(torch.bfloat16, torch.bfloat16, True, True, kda=True, dump_dir=d),
         ptx_must_have=("wgmma.mma_async.sync.aligned.m64n16k16", "cp.async.bulk.tensor", "setmaxnreg.inc"),

@@ -10,33 +10,34 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 CUTE_KERNELS_DUMP_DIR=${CUTE_KERNELS_DUMP_DIR:-/tmp/ck_dump}
 stages=${*:-tests}
 status=0
-# A hung kernel must not eat the session's device time: every stage runs under a hard limit.
+# A hung kernel must not eat the session's device time: every stage runs under a hard limit (SIGINT first, so a
+# sweep writes the cells it measured; SIGKILL 20 s later).
 t=${STAGE_TIMEOUT:-300}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv,noheader | tee "$out/gpu.txt"
 for stage in $stages; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
     tests)
-      timeout -s KILL $t python3 -m pytest tests -q -x -p no:cacheprovider -k "not test_compile" 2>&1 | tee "$out/tests.log" | tail -25
+      timeout -s INT -k 20 $t python3 -m pytest tests -q -x -p no:cacheprovider -k "not test_compile" 2>&1 | tee "$out/tests.log" | tail -25
       status=$((status | ${PIPESTATUS[0]})) ;;
     gpu-tests)
-      timeout -s KILL $t python3 -m pytest tests -q -p no:cacheprovider -m "not compile" -k "gpu or merge or probe" 2>&1 | tee "$out/gpu_tests.log" | tail -25
+      timeout -s INT -k 20 $t python3 -m pytest tests -q -p no:cacheprovider -m "not compile" -k "gpu or merge or probe" 2>&1 | tee "$out/gpu_tests.log" | tail -25
       status=$((status | ${PIPESTATUS[0]})) ;;
     gdn-tests)
-      timeout -s KILL $t python3 -m pytest tests/test_gdn_sm90.py tests/test_segmented.py -q -p no:cacheprovider 2>&1 | tee "$out/gdn_tests.log" | tail -25
+      timeout -s INT -k 20 $t python3 -m pytest tests/test_gdn_sm90.py tests/test_segmented.py -q -p no:cacheprovider 2>&1 | tee "$out/gdn_tests.log" | tail -25
       status=$((status | ${PIPESTATUS[0]})) ;;
     gdn-smoke)
-      timeout -s KILL $t python3 scripts/gdn_smoke.py 2>&1 | tee "$out/gdn_smoke.log" | grep -v Warn | tail -25
+      timeout -s INT -k 20 $t python3 scripts/gdn_smoke.py ${SMOKE_ARGS:-} 2>&1 | tee "$out/gdn_smoke.log" | grep -v Warn | tail -25
       status=$((status | ${PIPESTATUS[0]})) ;;
     gdn-profile|kda-profile)
-      timeout -s KILL $t python3 scripts/gdn_profile.py ${stage%-profile} blocked 2>&1 | tee "$out/$stage.log" | grep -v Warn
+      timeout -s INT -k 20 $t python3 scripts/gdn_profile.py ${stage%-profile} 2>&1 | tee "$out/$stage.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
     merge-time)
-      timeout -s KILL $t python3 scripts/time_merges.py 2>&1 | tee "$out/merge_time.log" | grep -v Warn
+      timeout -s INT -k 20 $t python3 scripts/time_merges.py 2>&1 | tee "$out/merge_time.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
     bench-*)
       spec=${stage#bench-}; op=${spec%%-*}; grid=${spec#*-}
-      timeout -s KILL $t python3 -m benchmarks.sweep --op "$op" --grid "$grid" --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench_${op}_${grid}.log" | tail -40
+      timeout -s INT -k 20 $t python3 -m benchmarks.sweep --op "$op" --grid "$grid" --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench_${op}_${grid}.log" | tail -40
       status=$((status | ${PIPESTATUS[0]})) ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

@@ -1,6 +1,6 @@
 """Where the SM90 GDN/KDA forward spends its time: time it whole and with one stage left out at a time.
 
-`python3 scripts/gdn_profile.py [gdn|kda] [serial|blocked]` on the GPU machine. The difference to the full time
+`python3 scripts/gdn_profile.py [gdn|kda]` on the GPU machine. The difference to the full time
 is that stage's cost (results of the skipped variants are wrong; only their timing is used).
 """
 
@@ -14,7 +14,6 @@ import cute_kernels as ck
 import cute_kernels.ops.linear_attention as la
 
 op = sys.argv[1] if len(sys.argv) > 1 else "gdn"
-la.GDN_SOLVE = sys.argv[2] if len(sys.argv) > 2 else "blocked"
 kda = op == "kda"
 B, H, T = 16, 64, 4096  # fills the GPU: 1024 tiles, 64 chunks each
 gen = torch.Generator().manual_seed(0)
@@ -36,7 +35,7 @@ for skip in [(), ("gates",), ("intra",), ("gating",), ("solve",), ("wu",), ("vne
     per_chunk = us / (waves * chunks_per_cta)
     if full is None:
         full = us
-        print(f"{op} solve={la.GDN_SOLVE} B={B} H={H} T={T}: {us:.0f} us = {per_chunk:.2f} us per chunk per CTA", flush=True)
+        print(f"{op} B={B} H={H} T={T}: {us:.0f} us = {per_chunk:.2f} us per chunk per CTA", flush=True)
     else:
         print(f"  without {'+'.join(skip):<45s} {us:8.0f} us  (stage ~{(full - us) / (waves * chunks_per_cta):.2f} us/chunk)",
               flush=True)

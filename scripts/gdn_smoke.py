@@ -43,21 +43,16 @@ for B, T, H, init, cu in [(1, 100, 1, False, None), (1, 64, 1, True, None), (3, 
 
 import triton.testing as tt
 
-import cute_kernels.ops.linear_attention as la
+try:
+    import fla.ops.gated_delta_rule as fla_gdn
+    import fla.ops.kda as fla_kda
+except ImportError:
+    fla_gdn = fla_kda = None
 
-solves = sys.argv[1:] or ["serial", "blocked"]
-for solve in solves:
-    la.GDN_SOLVE = solve
-    q, k, v, g, beta = inputs(2, 1000, 3, 7)
-    o, s = ck.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
-    wo, ws = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True)
-    print(f"solve={solve}: o err {err(o, wo):.2e}, state err {err(s, ws):.2e}", flush=True)
-    for B, H, T in [(1, 4, 8192), (4, 16, 8192), (16, 64, 4096)]:
-        q, k, v, g, beta = inputs(B, T, H, 1)
-        fn = lambda: ck.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
-        fn()
-        us = tt.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
-        print(f"solve={solve} time B={B} H={H} T={T}: {us:.1f} us ({us / (T // 64):.2f} us per chunk)", flush=True)
+
+def bench(fn):
+    fn()
+    return tt.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
 
 
 for B, T, H, init in [(2, 1000, 3, True), (1, 100, 1, False)]:
@@ -67,9 +62,12 @@ for B, T, H, init in [(2, 1000, 3, True), (1, 100, 1, False)]:
     wo, ws = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=s0, output_final_state=True)
     print(f"KDA B={B} T={T} H={H}: o err {err(o, wo):.2e}, state err {err(s, ws):.2e}, nan {bool(o.isnan().any())}",
           flush=True)
-for B, H, T in [(1, 4, 8192), (16, 64, 4096)]:
-    q, k, v, g, beta = inputs(B, T, H, 1, kda=True)
-    fn = lambda: ck.chunk_kda(q, k, v, g, beta, output_final_state=True)
-    fn()
-    us = tt.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
-    print(f"KDA time B={B} H={H} T={T}: {us:.1f} us ({us / (T // 64):.2f} us per chunk)", flush=True)
+shapes = [(1, 4, 8192), (4, 16, 8192), (16, 64, 4096)] if len(sys.argv) < 2 else []
+for name, ours, peer in [("gdn", ck.chunk_gated_delta_rule, fla_gdn and fla_gdn.chunk_gated_delta_rule),
+                         ("kda", ck.chunk_kda, fla_kda and fla_kda.chunk_kda)]:
+    for B, H, T in shapes:
+        q, k, v, g, beta = inputs(B, T, H, 1, kda=name == "kda")
+        us = bench(lambda: ours(q, k, v, g, beta, output_final_state=True))
+        fla_us = bench(lambda: peer(q, k, v, g, beta, output_final_state=True)) if peer else float("nan")
+        print(f"{name} B={B} H={H} T={T}: ours {us:.1f} us ({us / (T // 64) / -(-B * H // 132):.2f} us per chunk "
+              f"per CTA), FLA {fla_us:.1f} us, speed-up {fla_us / us:.2f}x", flush=True)

@@ -196,9 +196,9 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     return o, final_m if output_final_state else None
 
 
-# The in-chunk triangular solve of the SM90 kernel: "serial" (verified on the H200, slow: its 64-float column
-# spills) or "blocked" (16 x 16 blocks, no spill; compiled, not yet run on a GPU -- the default once it is).
-GDN_SOLVE = "serial"
+# The in-chunk triangular solve of the SM90 kernel: "blocked" (16 x 16 blocks). The serial solve of version 1
+# (one column per thread) spilled and was removed after the H200 measurements (NOTES.md).
+GDN_SOLVE = "blocked"
 # Stages left out of the kernel, for timing by subtraction only (scripts/gdn_profile.py); results are wrong.
 GDN_SKIP: tuple = ()
 

@@ -1,25 +1,32 @@
 """SM90 (Hopper) fused chunked forward of the gated delta rule: GDN (a scalar decay per head and token) and,
 with `kda=True`, KDA (a decay per key channel).
 
-Status: GDN with the serial solve verified on the H200 (rel. err 3.3e-3 vs float64); the blocked solve and KDA
-compile for sm_90a and await their first GPU run (issue 4). The math is the chunked form of
-`shared/design/linear_attention.md` (`cute_kernels.reference.chunk_gated_delta_rule_ref` is its float64 spec).
+The math is the chunked form of `shared/design/linear_attention.md`
+(`cute_kernels.reference.chunk_gated_delta_rule_ref` is its float64 spec). Version 2 (issue 4): the per-element
+work that made version 1 instruction-bound (~19 us per chunk) is folded into the products' operands and
+epilogues; accumulators go to shared memory with `stmatrix`, the output leaves in 16-byte vectors.
 """
 
 from __future__ import annotations
+
+import math
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from schedulers.device import TileScheduler
 
 C = 64        # chunk length (tokens)
 HALF = 64     # V columns owned by one consumer warpgroup
 NUM_STAGES = 2  # q/k/v ring depth for GDN (KDA: 1)
+LOG2E = math.log2(math.e)
+# KDA: the anchored diagonal-block products use right factors up to 2^KDA_ANCHOR_LIMIT (log2 units, per 16 rows).
+# A chunk whose decay inside a 16-row block exceeds it takes the exact (slower) diagonal path instead.
+KDA_ANCHOR_LIMIT = 112.0
 
 
 def _smem_layout(rows: int, cols: int, dtype, stages: int = 1, mn_view: bool = False):
@@ -50,34 +57,34 @@ class ChunkGatedDeltaRuleFwdSm90:
     - warpgroups 1 and 2: consumers (registers raised to 232). Consumer j owns V columns [64 j, 64 j + 64) of
       the state S (K x V fp32, accumulator registers of a 128 x 64 wgmma tile) for the whole tile.
     Pipelines: `PipelineTmaAsync` q/k/v ring (NUM_STAGES stages, producer = 1 thread, consumers = 8 warps);
-    named barriers between the consumer phases inside a chunk (id 1: both consumer warpgroups; ids 2, 3: one).
+    named barriers between the consumer phases inside a chunk (id 1: both consumer warpgroups; ids 2, 3: one;
+    id 4: the 64 threads that compute the GDN gates).
 
     Modes (compile time): `forward` (start from initial_state[seq], write o and final_state[seq]);
     `summary` (tiles carry block 0 / 1: run the segment from 0 with the real v / from I with zero v, write the
     end state to summary[block * slots + seg_slot] = (h_ext, M), no o); `segment_outputs` (start from
     start_states[seg_slot], write o). Together with `affine_merge` they make the segmented forward.
 
-    KDA (`kda=True`): one q/k/v stage (the per-channel G [64 x 128] fp32 takes the second stage's room); step 1
-    becomes `kda_intra` (anchored 64 x 16 x 128 wgmma products below the diagonal blocks, exact sums inside
-    them), the gating of step 2 and the state decay of step 7 are per channel.
-
-    Per chunk (rows r, i < L = tokens in the chunk; G = cumulative log decay inside the chunk):
-      1. kk = k k^T (consumer 1) and qk = q k^T (consumer 2) on wgmma; scaled in registers by
-         exp(G_r - G_i) (<= 1 for i <= r, no overflow), beta_r / scale, masked lower-triangular;
-         Akk -> fp32 smem, Aqk -> bf16 smem.
-      2. In place in the stage buffers: q <- scale exp(G) q, k <- exp(G_L - G) k, v <- beta v; kb = beta exp(G) k.
-      3. X = (I + Akk)^-1 in fp32 -> bf16 smem: `solve="serial"` (64 threads, one column each) or
-         `solve="blocked"` (16 x 16 diagonal blocks by substitution, off-diagonal blocks as small products).
-      4. Consumer j: w[:, cols j] = X kb -> -w bf16 smem; u_j = X v_j (registers).
-      5. v_new_j = u_j - w S_j (wgmma, S_j bf16 in smem) -> bf16 smem.
-      6. o_j = q S_j + Aqk v_new_j -> global (rows < L).
-      7. S_j <- exp(G_L) S_j + k^T v_new_j (wgmma accumulating into the state registers) -> bf16 smem copy.
-    The gates (G, exp(G), beta) of a chunk are computed by the consumers from global memory before they wait for
-    its tile. `skip` leaves stages out, for timing by subtraction only.
+    Per chunk (rows r, i < L = tokens in the chunk; G = cumulative decay inside the chunk in log2 units):
+      0. Gates: GDN: G by a warp-shuffle scan over the 64 rows (loaded one chunk ahead), 2^G, 2^(G_L - G), beta.
+         KDA: G[r, d] per channel (one thread per channel), beta.
+      1. Intra-chunk products. GDN: kk = k k^T (consumer 0) and qk = q k^T (consumer 1) on wgmma, scaled in
+         registers by 2^(G_r - G_i) (<= 1), beta_r / scale, masked -> Akk fp32 smem, Aqk bf16 smem (stmatrix);
+         meanwhile both issue q S_j, whose rows are then scaled by scale 2^G_r (o's inter-chunk part).
+         KDA: anchored 64 x 16 x 128 products per 16-column block (`kda_intra`), then in-place gating of q, k
+         and kb = k 2^G (per channel), then q S_j.
+      2. X = (I + Akk)^-1 in fp32 (16 x 16 diagonal blocks by substitution, off-diagonal blocks by products),
+         written as Xv = X diag(beta) and (GDN) Xk = X diag(beta 2^G) in bf16: the gating of v and k moves
+         into X, so GDN never rewrites its q/k/v tiles.
+      3. Consumer j: w[:, cols j] = Xk k (KDA: Xv kb) -> -w bf16 smem; u_j = Xv v_j (registers).
+      4. v_new_j = u_j - w S_j (wgmma, S_j bf16 in smem) -> bf16 smem; GDN also 2^(G_L - G_r) v_new_j.
+      5. o_j += Aqk v_new_j and S_j <- 2^G_L S_j + k^T (2^(G_L - G) v_new_j) (KDA: the gated k tile), issued
+         together; o_j -> smem (stmatrix into the -w buffer) -> global in 16-byte vectors (rows < L).
+    `skip` leaves stages out, for timing by subtraction only.
     """
 
     def __init__(self, io_dtype, beta_dtype, has_initial_state: bool, store_final_state: bool,
-                 persistent: bool = False, k_dim: int = 128, v_dim: int = 128, solve: str = "serial",
+                 persistent: bool = False, k_dim: int = 128, v_dim: int = 128, solve: str = "blocked",
                  kda: bool = False, mode: str = "forward", skip: tuple = ()):
         if k_dim != 128 or v_dim != 128:
             raise ValueError(f"ChunkGatedDeltaRuleFwdSm90 supports K = V = 128, got K={k_dim}, V={v_dim}")
@@ -88,8 +95,8 @@ class ChunkGatedDeltaRuleFwdSm90:
         self.persistent = persistent
         self.k_dim = k_dim
         self.v_dim = v_dim
-        if solve not in ("blocked", "serial"):
-            raise ValueError(f"solve must be 'blocked' or 'serial', got {solve!r}")
+        if solve != "blocked":
+            raise ValueError(f"solve must be 'blocked', got {solve!r}")
         if mode not in ("forward", "summary", "segment_outputs"):
             raise ValueError(f"mode must be 'forward', 'summary' or 'segment_outputs', got {mode!r}")
         self.solve = solve
@@ -113,7 +120,7 @@ class ChunkGatedDeltaRuleFwdSm90:
         q: cute.Tensor,            # [T, H, K]  (B and T flattened; tiles carry token offsets)
         k: cute.Tensor,            # [T, H, K]
         v: cute.Tensor,            # [T, H, V]
-        g: cute.Tensor,            # [T, H] fp32, per-step log decay
+        g: cute.Tensor,            # [T, H] fp32 (KDA: [T, H, K]), per-step log decay
         beta: cute.Tensor,         # [T, H]
         o: cute.Tensor,            # [T, H, V]
         initial_state: cute.Tensor,  # [N, H, K, V] fp32 (if has_initial_state); segment_outputs: [slots, H, K, V]
@@ -146,18 +153,22 @@ class ChunkGatedDeltaRuleFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[io, C * 128 * stages], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[io, C * 128 * stages], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[io, C * 128 * stages], 1024]
-            sKb: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
-            sNegW: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
-            sX: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
+            sKb: cute.struct.Align[cute.struct.MemRange[io, C * 128 if kda else 64], 1024]   # KDA: k 2^G
+            sNegW: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]   # -w, then the o tile
+            sXk: cute.struct.Align[cute.struct.MemRange[io, 64 if kda else C * C], 1024]   # GDN: X diag(beta 2^G)
+            sXv: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]       # X diag(beta)
             sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
             sVnew: cute.struct.Align[cute.struct.MemRange[io, 2 * C * HALF], 1024]
+            sVnewD: cute.struct.Align[cute.struct.MemRange[io, 64 if kda else 2 * C * HALF], 1024]  # GDN: decayed
             sS: cute.struct.Align[cute.struct.MemRange[io, 2 * 128 * HALF], 1024]
             sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * (C + 1)], 16]   # A, then X^T above
             sY: cute.struct.Align[cute.struct.MemRange[Float32, 3 * 16 * 16], 16]   # blocked-solve products
-            sG: cute.struct.MemRange[Float32, C]        # cumulative log decay G_r
-            sEG: cute.struct.MemRange[Float32, C]       # exp(G_r)
-            sEGL: cute.struct.MemRange[Float32, C]      # exp(G_last - G_r), 0 past the chunk end
+            sG: cute.struct.MemRange[Float32, C]        # cumulative decay G_r (log2 units)
+            sEG: cute.struct.MemRange[Float32, C]       # 2^G_r
+            sEGL: cute.struct.MemRange[Float32, C]      # 2^(G_last - G_r), 0 past the chunk end
             sBeta: cute.struct.MemRange[Float32, C]     # beta_r, 0 past the chunk end
+            sScan: cute.struct.MemRange[Float32, 4]     # GDN gate scan: per-warp totals
+            sFlag: cute.struct.MemRange[Int32, 4]       # KDA: 1 if a chunk needs the exact diagonal path
             sGk: cute.struct.Align[cute.struct.MemRange[Float32, C * 128 if kda else 4], 16]  # KDA: G[r, d]
             sGL: cute.struct.MemRange[Float32, 128 if kda else 4]   # KDA: G[L-1, d]
 
@@ -186,43 +197,12 @@ class ChunkGatedDeltaRuleFwdSm90:
         mS0: cute.Tensor, mSN: cute.Tensor,
         mTiles: cute.Tensor, num_tiles: Int32, scale: Float32,
     ):
-        io = self.io_dtype
         tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.shared_storage)
-
-        def view(field, rows, cols, stages=1, mn_view=False, staged=False):
-            layout = _smem_layout(rows, cols, io, stages, mn_view)
-            t = field.get_tensor(layout.outer, swizzle=layout.inner)
-            return t if stages > 1 or staged else t[None, None, 0]
-
-        ns = self.num_stages
-        sQ = view(st.sQ, C, 128, ns, staged=True)          # (token, channel, stage)
-        sK = view(st.sK, C, 128, ns, staged=True)
-        sV = view(st.sV, C, 128, ns, staged=True)
-        sK_mn = view(st.sK, C, 128, ns, True, True)        # (channel, token, stage)
-        sV_mn = view(st.sV, C, 128, ns, True, True)
-        sKb_mn = view(st.sKb, C, 128, 1, True)           # (channel, token)
-        sNegW = view(st.sNegW, C, 128)                   # (token, channel)
-        sX = view(st.sX, C, C)
-        sAqk = view(st.sAqk, C, C)
-        sVnew = view(st.sVnew, C, HALF, 2)               # (token, v, half)
-        sVnew_mn = view(st.sVnew, C, HALF, 2, True)      # (v, token, half)
-        sS = view(st.sS, 128, HALF, 2)                   # (k, v, half)
-        sS_mn = view(st.sS, 128, HALF, 2, True)          # (v, k, half)
-        sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(C + 1, 1)))
-        sY = st.sY.get_tensor(cute.make_layout((3, 16, 16), stride=(256, 16, 1)))
-        sG = st.sG.get_tensor(cute.make_layout(C))
-        sEG = st.sEG.get_tensor(cute.make_layout(C))
-        sEGL = st.sEGL.get_tensor(cute.make_layout(C))
-        sBeta = st.sBeta.get_tensor(cute.make_layout(C))
-        sGk = st.sGk.get_tensor(cute.make_layout((C, 128), stride=(128, 1)) if self.kda else cute.make_layout((1, 4)))
-        sGL = st.sGL.get_tensor(cute.make_layout(128 if self.kda else 4))
-        sLq = view(st.sKb, C, 128)                           # KDA: left factors of the q rows (K-major A)
-        sR = view(st.sVnew, 16, 128)                         # KDA: right factor of one column block
 
         load = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.load_mbar.data_ptr(),
@@ -233,22 +213,26 @@ class ChunkGatedDeltaRuleFwdSm90:
         )
         sched = TileScheduler.create(mTiles, num_tiles, self.persistent)
 
-        if warp == 0:
+        if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(40)
-            if warp == 0:
-                self.producer(sched, load, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV)
+            if warp_idx == 0:
+                ns = self.num_stages
+                self.producer(sched, load, tma_q, mQ, tma_k, mK, tma_v, mV,
+                              self.view(st.sQ, C, 128, ns), self.view(st.sK, C, 128, ns),
+                              self.view(st.sV, C, 128, ns))
         else:
             cute.arch.setmaxregister_increase(232)
-            self.consumer(
-                sched, load, wg - 1, tidx - 128, mG, mBeta, mO, mS0, mSN, scale,
-                sQ, sK, sV, sK_mn, sV_mn, sKb_mn, sNegW, sX, sAqk, sVnew, sVnew_mn, sS, sS_mn,
-                sAkk, sY, sG, sEG, sEGL, sBeta, sGk, sGL, sLq, sR,
-            )
+            self.consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, mO, mS0, mSN, scale, st)
+
+    def view(self, field, rows, cols, stages=1, mn_view=False):
+        """(row, col, stage) view of a swizzled 16-bit smem field (see `_smem_layout`)."""
+        layout = _smem_layout(rows, cols, self.io_dtype, stages, mn_view)
+        return field.get_tensor(layout.outer, swizzle=layout.inner)
 
     @cute.jit
     def producer(self, sched, load, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV):
@@ -273,26 +257,59 @@ class ChunkGatedDeltaRuleFwdSm90:
         load.producer_tail(state)
 
     @cute.jit
-    def consumer(
-        self, sched, load, j, ctid, mG, mBeta, mO, mS0, mSN, scale,
-        sQ, sK, sV, sK_mn, sV_mn, sKb_mn, sNegW, sX, sAqk, sVnew, sVnew_mn, sS, sS_mn,
-        sAkk, sY, sG, sEG, sEGL, sBeta, sGk, sGL, sLq, sR,
-    ):
+    def consumer(self, sched, load, j, ctid, mG, mBeta, mO, mS0, mSN, scale, st):
         io = self.io_dtype
+        kda = self.kda
+        outputs = self.mode != "summary"
         wtid = ctid % 128                       # thread index inside this consumer warpgroup
         v0 = j * HALF                           # first V column of this warpgroup
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        ns = self.num_stages
+        sQ = self.view(st.sQ, C, 128, ns)                # (token, channel, stage)
+        sK = self.view(st.sK, C, 128, ns)
+        sK_mn = self.view(st.sK, C, 128, ns, True)       # (channel, token, stage)
+        sV_mn = self.view(st.sV, C, 128, ns, True)
+        sNegW = self.view(st.sNegW, C, 128)[None, None, 0]   # (token, channel); o staging later
+        sXv = self.view(st.sXv, C, C)[None, None, 0]
+        sAqk = self.view(st.sAqk, C, C)[None, None, 0]
+        sVnew = self.view(st.sVnew, C, HALF, 2)          # (token, v, half)
+        sVnew_mn = self.view(st.sVnew, C, HALF, 2, True)  # (v, token, half)
+        sS = self.view(st.sS, 128, HALF, 2)              # (k, v, half)
+        sS_mn = self.view(st.sS, 128, HALF, 2, True)     # (v, k, half)
+        sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(C + 1, 1)))
+        sY = st.sY.get_tensor(cute.make_layout((3, 16, 16), stride=(256, 16, 1)))
+        sG = st.sG.get_tensor(cute.make_layout(C))
+        sEG = st.sEG.get_tensor(cute.make_layout(C))
+        sEGL = st.sEGL.get_tensor(cute.make_layout(C))
+        sBeta = st.sBeta.get_tensor(cute.make_layout(C))
+        sScan = st.sScan.get_tensor(cute.make_layout(4))
+        sFlag = st.sFlag.get_tensor(cute.make_layout(4))
+        sXk = sXv
+        sVnewD = sVnew
+        sVnewD_mn = sVnew_mn
+        sKb_mn = sK_mn[None, None, 0]
+        sGk = sG
+        sGL = sG
+        if cutlass.const_expr(kda):
+            sKb_mn = self.view(st.sKb, C, 128, 1, True)[None, None, 0]   # (channel, token)
+            sGk = st.sGk.get_tensor(cute.make_layout((C, 128), stride=(128, 1)))
+            sGL = st.sGL.get_tensor(cute.make_layout(128))
+        else:
+            sXk = self.view(st.sXk, C, C)[None, None, 0]
+            sVnewD = self.view(st.sVnewD, C, HALF, 2)
+            sVnewD_mn = self.view(st.sVnewD, C, HALF, 2, True)
 
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        mma64 = self.make_mma(False, True)
+        mma_s = self.make_mma(True, True)
         thr_kk = self.make_mma(False, False).get_slice(wtid)
-        thr_ab = self.make_mma(False, True).get_slice(wtid)
-        thr_s = self.make_mma(True, True).get_slice(wtid)
-        c64 = cute.make_identity_tensor((C, HALF))
-        c_s = cute.make_identity_tensor((128, HALF))
-        cc_ab = thr_ab.partition_C(c64)        # coordinates of a (64 x 64) accumulator element
-        cc_s = thr_s.partition_C(c_s)          # coordinates of a (128 x 64) accumulator element
+        thr_ab = mma64.get_slice(wtid)
+        thr_s = mma_s.get_slice(wtid)
+        cc_ab = thr_ab.partition_C(cute.make_identity_tensor((C, HALF)))   # (row, col) of a 64 x 64 acc element
+        cc_s = thr_s.partition_C(cute.make_identity_tensor((128, HALF)))
         acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((128, HALF)), Float32)  # the state S_j
         acc = cute.make_rmem_tensor(thr_ab.partition_shape_C((C, HALF)), Float32)
         acc_o = cute.make_rmem_tensor(thr_ab.partition_shape_C((C, HALF)), Float32)
+        tAkk = thr_kk.partition_C(sAkk)                                    # this thread's Akk elements
 
         work = sched.initial_work()
         while work.is_valid:
@@ -318,134 +335,164 @@ class ChunkGatedDeltaRuleFwdSm90:
                     acc_s[i] = mS0[seq, head, r, v0 + cidx]
                 else:
                     acc_s[i] = Float32(0.0)
-            self.store_state_copy(acc_s, cc_s, sS, j)
+            self.store_acc(wtid, mma_s, acc_s, sS[None, None, j])
+            cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=2 + j, number_of_threads=128)
+
+            # GDN: this chunk's g and beta are loaded one chunk ahead (64 threads, one row each).
+            gv = Float32(0.0)
+            bv = Float32(0.0)
+            if cutlass.const_expr(not kda):
+                if ctid < C:
+                    if tok0 + ctid < tok_end:
+                        gv = Float32(mG[tok0 + ctid, head])
+                        bv = Float32(mBeta[tok0 + ctid, head])
 
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
                 t0 = tok0 + c * C
                 L = tok_end - t0
                 if L > C:
                     L = Int32(C)
-                # -- gates of this chunk (fp32), before waiting on the tile
-                if cutlass.const_expr("gates" not in self.skip):
-                    if cutlass.const_expr(self.kda):
-                        self.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta)
-                    else:
-                        self.gdn_gates(ctid, t0, L, head, mG, mBeta, sG, sEG, sEGL, sBeta)
+                # -- 0. gates of this chunk (fp32, log2 units), before waiting on the tile
+                if cutlass.const_expr(kda):
+                    if cutlass.const_expr("gates" not in self.skip):
+                        self.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag)
+                else:
+                    if cutlass.const_expr("gates" not in self.skip):
+                        self.gdn_gates(ctid, L, gv, bv, sG, sEG, sEGL, sBeta, sScan)
+                    gv = Float32(0.0)
+                    bv = Float32(0.0)
+                    if ctid < C:
+                        if t0 + C + ctid < tok_end:
+                            gv = Float32(mG[t0 + C + ctid, head])
+                            bv = Float32(mBeta[t0 + C + ctid, head])
 
                 load.consumer_wait(state)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 stage = state.index
 
-                # -- 1. kk (warpgroup 0) / qk (warpgroup 1) -> Akk fp32 / Aqk bf16
-                if cutlass.const_expr("intra" not in self.skip):
-                    if cutlass.const_expr(self.kda):
-                        self.kda_intra(j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sNegW, sLq, sR, sGk, sBeta)
-                    else:
-                        cc_kk = thr_kk.partition_C(cute.make_identity_tensor((C, C)))
-                        acc_kk = cute.make_rmem_tensor(thr_kk.partition_shape_C((C, C)), Float32)
+                # -- 1. intra-chunk products (and q S_j)
+                if cutlass.const_expr(kda):
+                    if cutlass.const_expr("intra" not in self.skip):
+                        self.kda_intra(j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sNegW, sGk, sBeta, sFlag,
+                                       st)
+                    if cutlass.const_expr("gating" not in self.skip):
+                        self.kda_gating(ctid, L, stage, sQ, sK, sKb_mn, sGk, sGL)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                    if cutlass.const_expr(outputs and "out" not in self.skip):
+                        self.gemm(wtid, acc_o, sQ[None, None, stage], sS_mn[None, None, j], False, True, False)
+                        for i in cutlass.range_constexpr(cute.size(acc_o)):
+                            acc_o[i] = acc_o[i] * scale
+                else:
+                    acc_kk = cute.make_rmem_tensor(thr_kk.partition_shape_C((C, C)), Float32)
+                    cc_kk = thr_kk.partition_C(cute.make_identity_tensor((C, C)))
+                    if cutlass.const_expr("intra" not in self.skip):
                         if j == 0:
-                            self.gemm(wtid, acc_kk, sK[None, None, stage], sK[None, None, stage], False, False, False)
+                            self.gemm(wtid, acc_kk, sK[None, None, stage], sK[None, None, stage], False, False, False,
+                                      wait=False)
+                        else:
+                            if cutlass.const_expr(outputs):  # Aqk only feeds the outputs
+                                self.gemm(wtid, acc_kk, sQ[None, None, stage], sK[None, None, stage], False, False,
+                                          False, wait=False)
+                    if cutlass.const_expr(outputs and "out" not in self.skip):
+                        self.gemm(wtid, acc_o, sQ[None, None, stage], sS_mn[None, None, j], False, True, False,
+                                  wait=False)
+                    warpgroup.wait_group(0)
+                    if cutlass.const_expr("intra" not in self.skip):
+                        if j == 0:
                             for i in cutlass.range_constexpr(cute.size(acc_kk)):
                                 r, col = cc_kk[i]
                                 val = Float32(0.0)
                                 if col < r and r < L:
-                                    val = acc_kk[i] * cute.math.exp(sG[r] - sG[col], fastmath=False) * sBeta[r]
-                                sAkk[r, col] = val
+                                    val = acc_kk[i] * cute.arch.exp2(sG[r] - sG[col]) * sBeta[r]
+                                tAkk[i] = val
                         else:
-                            if cutlass.const_expr(self.mode != "summary"):  # Aqk only feeds the outputs
-                                self.gemm(wtid, acc_kk, sQ[None, None, stage], sK[None, None, stage], False, False, False)
+                            if cutlass.const_expr(outputs):
                                 for i in cutlass.range_constexpr(cute.size(acc_kk)):
                                     r, col = cc_kk[i]
                                     val = Float32(0.0)
                                     if col <= r:
-                                        val = acc_kk[i] * cute.math.exp(sG[r] - sG[col], fastmath=False) * scale
-                                    sAqk[r, col] = io(val)
-                        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                                        val = acc_kk[i] * cute.arch.exp2(sG[r] - sG[col]) * scale
+                                    acc_kk[i] = val
+                                self.store_acc(wtid, self.make_mma(False, False), acc_kk, sAqk)
+                    if cutlass.const_expr(outputs and "out" not in self.skip):
+                        for i in cutlass.range_constexpr(cute.size(acc_o)):
+                            r, col = cc_ab[i]
+                            acc_o[i] = acc_o[i] * (sEG[r] * scale)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
-                # -- 2. in-place gating of q, k, v and kb (all 256 consumer threads)
-                if cutlass.const_expr("gating" not in self.skip):
-                    for e in cutlass.range(ctid, C * 128, 256, unroll=4):
-                        r = e // 128
-                        col = e % 128
-                        eg = Float32(0.0)
-                        egl = Float32(0.0)
-                        if cutlass.const_expr(self.kda):
-                            gr = sGk[r, col]
-                            eg = cute.math.exp(gr, fastmath=False)
-                            if r < L:
-                                egl = cute.math.exp(sGL[col] - gr, fastmath=False)
-                        else:
-                            eg = sEG[r]
-                            egl = sEGL[r]
-                        kv = Float32(sK[r, col, stage])
-                        sKb_mn[col, r] = io(kv * sBeta[r] * eg)
-                        sK[r, col, stage] = io(kv * egl)
-                        sQ[r, col, stage] = io(Float32(sQ[r, col, stage]) * eg * scale)
-                        vscale = sBeta[r]
-                        if cutlass.const_expr(self.mode == "summary"):
-                            if blk == 1:
-                                vscale = Float32(0.0)  # M columns: the recurrence on the identity with zero values
-                        sV[r, col, stage] = io(Float32(sV[r, col, stage]) * vscale)
-
-                # -- 3. X = (I + Akk)^-1 in fp32 -> bf16 sX
-                if cutlass.const_expr("solve" in self.skip):
-                    pass
-                elif cutlass.const_expr(self.solve == "blocked"):
-                    self.solve_blocked(ctid, sAkk, sY, sX)
-                else:
-                    self.solve_serial(ctid, sAkk, sX)
+                # -- 2. X = (I + Akk)^-1 in fp32 -> Xv = X diag(beta), GDN: Xk = X diag(beta 2^G) (bf16)
+                if cutlass.const_expr("solve" not in self.skip):
+                    self.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
-                # -- 4. w columns of this warpgroup (-> smem, negated) and u_j (registers)
+                # -- 3. -w columns of this warpgroup (-> smem) and u_j (registers)
                 if cutlass.const_expr("wu" not in self.skip):
-                    self.gemm(wtid, acc, sX, cute.local_tile(sKb_mn, (HALF, C), (j, 0)), False, True, False)
+                    if cutlass.const_expr(kda):
+                        self.gemm(wtid, acc, sXv, cute.local_tile(sKb_mn, (HALF, C), (j, 0)), False, True, False)
+                    else:
+                        self.gemm(wtid, acc, sXk, cute.local_tile(sK_mn[None, None, stage], (HALF, C), (j, 0)),
+                                  False, True, False)
                     for i in cutlass.range_constexpr(cute.size(acc)):
-                        r, col = cc_ab[i]
-                        sNegW[r, v0 + col] = io(-acc[i])
-                    self.gemm(wtid, acc, sX, cute.local_tile(sV_mn[None, None, stage], (HALF, C), (j, 0)), False, True,
-                              False)
+                        acc[i] = -acc[i]
+                    self.store_acc(wtid, mma64, acc, cute.local_tile(sNegW, (C, HALF), (0, j)))
+                    if cutlass.const_expr(self.mode == "summary"):
+                        if blk == 1:   # M columns: the recurrence on the identity with zero values
+                            acc.fill(0.0)
+                        else:
+                            self.gemm(wtid, acc, sXv, cute.local_tile(sV_mn[None, None, stage], (HALF, C), (j, 0)),
+                                      False, True, False)
+                    else:
+                        self.gemm(wtid, acc, sXv, cute.local_tile(sV_mn[None, None, stage], (HALF, C), (j, 0)),
+                                  False, True, False)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
-                # -- 5. v_new_j = u_j - w S_j
+                # -- 4. v_new_j = u_j - w S_j (GDN: also 2^(G_L - G_r) v_new_j for the state update)
                 if cutlass.const_expr("vnew" not in self.skip):
                     self.gemm(wtid, acc, sNegW, sS_mn[None, None, j], False, True, True)
-                    for i in cutlass.range_constexpr(cute.size(acc)):
-                        r, col = cc_ab[i]
-                        sVnew[r, col, j] = io(acc[i])
+                    self.store_acc(wtid, mma64, acc, sVnew[None, None, j])
+                    if cutlass.const_expr(not kda):
+                        for i in cutlass.range_constexpr(cute.size(acc)):
+                            r, col = cc_ab[i]
+                            acc[i] = acc[i] * sEGL[r]
+                        self.store_acc(wtid, mma64, acc, sVnewD[None, None, j])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=2 + j, number_of_threads=128)
 
-                # -- 6. o_j = (scale exp(G) q) S_j + Aqk v_new_j (not in summary mode)
-                if cutlass.const_expr(self.mode != "summary" and "out" not in self.skip):
-                    self.gemm(wtid, acc_o, sQ[None, None, stage], sS_mn[None, None, j], False, True, False)
-                    self.gemm(wtid, acc_o, sAqk, sVnew_mn[None, None, j], False, True, True)
-                    for i in cutlass.range_constexpr(cute.size(acc_o)):
-                        r, col = cc_ab[i]
-                        if r < L:
-                            mO[t0 + r, head, v0 + col] = io(acc_o[i])
-
-                # -- 7. S_j <- exp(G_last) S_j + (exp(G_last - G) k)^T v_new_j
+                # -- 5. o_j += Aqk v_new_j; S_j <- 2^G_L S_j + k~^T v_new~_j (one commit, one wait)
+                if cutlass.const_expr(outputs and "out" not in self.skip):
+                    self.gemm(wtid, acc_o, sAqk, sVnew_mn[None, None, j], False, True, True, wait=False)
                 if cutlass.const_expr("state" not in self.skip):
-                    if cutlass.const_expr(self.kda):
+                    if cutlass.const_expr(kda):
                         for i in cutlass.range_constexpr(cute.size(acc_s)):
                             r, cidx = cc_s[i]
-                            acc_s[i] = acc_s[i] * cute.math.exp(sGL[r], fastmath=False)
+                            acc_s[i] = acc_s[i] * cute.arch.exp2(sGL[r])
                     else:
                         decay_last = sEG[L - 1]
                         for i in cutlass.range_constexpr(cute.size(acc_s)):
                             acc_s[i] = acc_s[i] * decay_last
-                    self.gemm(wtid, acc_s, sK_mn[None, None, stage], sVnew_mn[None, None, j], True, True, True)
-
-                cute.arch.barrier(barrier_id=2 + j, number_of_threads=128)
-                if cutlass.const_expr("state" not in self.skip):
-                    self.store_state_copy(acc_s, cc_s, sS, j)
-                cute.arch.fence_proxy("async.shared", space="cta")
+                    self.gemm(wtid, acc_s, sK_mn[None, None, stage], sVnewD_mn[None, None, j], True, True, True,
+                              wait=False)
+                warpgroup.wait_group(0)
+                # Both warpgroups are done reading -w (step 4) and the q/k/v stage.
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 load.consumer_release(state)
                 state.advance()
+                sO = cute.local_tile(sNegW, (C, HALF), (0, j))
+                if cutlass.const_expr(outputs and "out" not in self.skip):
+                    self.store_acc(wtid, mma64, acc_o, sO)
+                if cutlass.const_expr("state" not in self.skip):
+                    self.store_acc(wtid, mma_s, acc_s, sS[None, None, j])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=2 + j, number_of_threads=128)
+                if cutlass.const_expr(outputs and "out" not in self.skip):
+                    self.store_rows(wtid, sO, mO, t0, head, v0, L)
+                # Protects Aqk, the gates and the o tile from the next chunk's writers.
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
             if cutlass.const_expr(self.mode == "summary"):
                 # summary[block * slots + seg_slot]: block 0 holds h_ext, block 1 holds M.
@@ -461,44 +508,60 @@ class ChunkGatedDeltaRuleFwdSm90:
             work = sched.advance(work)
 
     @cute.jit
-    def gdn_gates(self, ctid, t0, L, head, mG, mBeta, sG, sEG, sEGL, sBeta):
-        """G_r = cumulative log decay in the chunk, exp(G_r), exp(G_last - G_r) (0 past the end), beta_r."""
+    def gdn_gates(self, ctid, L, gv, bv, sG, sEG, sEGL, sBeta, sScan):
+        """G_r (log2 units) by a two-warp shuffle scan; 2^G_r, 2^(G_last - G_r) (0 past the end), beta_r.
+
+        Rows past the chunk end carry g = 0, so G_63 = G_last.
+        """
         if ctid < C:
-            gv = Float32(0.0)
-            bv = Float32(0.0)
-            if ctid < L:
-                gv = Float32(mG[t0 + ctid, head])
-                bv = Float32(mBeta[t0 + ctid, head])
-            sG[ctid] = gv
-            sBeta[ctid] = bv
-        cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        if ctid < C:
-            acc_g = Float32(0.0)
-            for i in cutlass.range(ctid + 1, unroll=4):
-                acc_g = acc_g + sG[i]
-            glast = Float32(0.0)
-            for i in cutlass.range(L, unroll=4):
-                glast = glast + sG[i]
+            lane = ctid % 32
+            x = gv * LOG2E
+            for off in cutlass.range_constexpr(5):
+                y = cute.arch.shuffle_sync_up(x, 1 << off)
+                if lane >= (1 << off):
+                    x = x + y
+            if lane == 31:
+                sScan[ctid // 32] = x
             cute.arch.barrier(barrier_id=4, number_of_threads=64)
-            sG[ctid] = acc_g
-            sEG[ctid] = cute.math.exp(acc_g, fastmath=False)
+            s0 = sScan[0]
+            glast = s0 + sScan[1]
+            if ctid >= 32:
+                x = x + s0
+            sG[ctid] = x
+            sEG[ctid] = cute.arch.exp2(x)
             egl = Float32(0.0)
+            bl = Float32(0.0)
             if ctid < L:
-                egl = cute.math.exp(glast - acc_g, fastmath=False)
+                egl = cute.arch.exp2(glast - x)
+                bl = bv
             sEGL[ctid] = egl
+            sBeta[ctid] = bl
 
     @cute.jit
-    def kda_gates(self, ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta):
-        """G[r, d] = cumulative log decay per channel (threads 0..127, one channel each); G[L-1, d]; beta_r."""
+    def kda_gates(self, ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag):
+        """G[r, d] (log2 units, one thread per channel d), G[L-1, d], beta_r; sFlag[0] = 1 if some 16-row block
+        decays by more than KDA_ANCHOR_LIMIT in some channel (then the exact diagonal path runs)."""
+        if ctid == 0:
+            sFlag[0] = Int32(0)
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
         if ctid < 128:
             acc_g = Float32(0.0)
-            for r in cutlass.range(C, unroll=8):
-                gv = Float32(0.0)
-                if r < L:
-                    gv = Float32(mG[t0 + r, head, ctid])
-                acc_g = acc_g + gv
-                sGk[r, ctid] = acc_g
+            worst = Float32(0.0)
+            for b in cutlass.range_constexpr(4):
+                for rr in cutlass.range_constexpr(16):
+                    r = 16 * b + rr
+                    gv = Float32(0.0)
+                    if r < L:
+                        gv = Float32(mG[t0 + r, head, ctid]) * LOG2E
+                    acc_g = acc_g + gv
+                    sGk[r, ctid] = acc_g
+                # the block's largest right factor is 2^(G[16 b] - G[16 b + 15])
+                span = sGk[16 * b, ctid] - acc_g
+                if span > worst:
+                    worst = span
             sGL[ctid] = acc_g
+            if worst > KDA_ANCHOR_LIMIT:
+                sFlag[0] = Int32(1)
         else:
             r = ctid - 128
             if r < C:
@@ -508,110 +571,123 @@ class ChunkGatedDeltaRuleFwdSm90:
                 sBeta[r] = bv
 
     @cute.jit
-    def kda_intra(self, j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sNegW, sLq, sR, sGk, sBeta):
-        """KDA Akk (fp32, beta on rows) and Aqk (bf16, scaled) without exponentiating positive numbers.
+    def kda_gating(self, ctid, L, stage, sQ, sK, sKb_mn, sGk, sGL):
+        """In place per channel: q <- q 2^G, k <- k 2^(G_L - G) (0 past the end); kb = k 2^G (beta is in X)."""
+        io = self.io_dtype
+        for e in cutlass.range(ctid, C * 128, 256, unroll=4):
+            r = e // 128
+            col = e % 128
+            gr = sGk[r, col]
+            eg = cute.arch.exp2(gr)
+            egl = Float32(0.0)
+            if r < L:
+                egl = cute.arch.exp2(sGL[col] - gr)
+            kv = Float32(sK[r, col, stage])
+            sKb_mn[col, r] = io(kv * eg)
+            sK[r, col, stage] = io(kv * egl)
+            sQ[r, col, stage] = io(Float32(sQ[r, col, stage]) * eg)
 
-        Below the diagonal blocks, per 16-row column block qb with anchor e = its last row:
-        [x_r exp(G_r - G_e)] @ [k_i exp(G_e - G_i)]^T on wgmma (64 x 16 x 128; warpgroup 0 for k, 1 for q);
-        the 16 x 16 diagonal blocks as exact pairwise channel sums (all 256 threads). See
-        cute_kernels/reference/kda_intra.py (the spec, tested on the CPU).
+    @cute.jit
+    def kda_intra(self, j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sL, sGk, sBeta, sFlag, st):
+        """KDA Akk (fp32, beta on rows) and Aqk (bf16, scaled) without overflow.
+
+        Fast path (every 16-row block decays by at most 2^KDA_ANCHOR_LIMIT): per 16-column block qb, anchored at
+        its first row a: [x_r 2^(G_r - G_a)] @ [k_i 2^(G_a - G_i)]^T on wgmma (64 x 16 x 128; warpgroup 0 for
+        k, 1 for q), rows r >= a. Exact path otherwise: blocks below the diagonal anchored at the block's last
+        row (both factors <= 1), diagonal 16 x 16 blocks as exact channel sums. Spec and tests:
+        cute_kernels/reference/kda_intra.py.
         """
         io = self.io_dtype
+        outputs = self.mode != "summary"
+        sLq = self.view(st.sKb, C, 128)[None, None, 0]      # left factors of the q rows (K-major A)
+        sR = self.view(st.sVnew, 16, 128)[None, None, 0]    # right factor of one column block
         for e in cutlass.range(ctid, C * C, 256, unroll=4):
             sAkk[e // C, e % C] = Float32(0.0)
             sAqk[e // C, e % C] = io(0.0)
+        exact = sFlag[0] != 0
+        not_exact = sFlag[0] == 0
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        for qb in cutlass.range_constexpr(4):
+            # fast: anchor = first row of the block, rows >= it; exact: anchor = last row, rows below the block
+            anchor = Int32(16 * qb)
+            lo = Int32(16 * qb)
+            if exact:
+                anchor = Int32(16 * qb + 15)
+                lo = Int32(16 * qb + 16)
+            if cutlass.const_expr(qb < 3):
+                self.kda_block(j, ctid, wtid, L, scale, stage, qb, anchor, lo, sQ, sK, sAkk, sAqk, sL, sLq, sR,
+                               sGk, sBeta)
+            else:
+                if not_exact:
+                    self.kda_block(j, ctid, wtid, L, scale, stage, qb, anchor, lo, sQ, sK, sAkk, sAqk, sL, sLq, sR,
+                                   sGk, sBeta)
+        if exact:
+            # Diagonal 16 x 16 blocks: exact sums over channels, 2^(G_r - G_i) <= 1 for i <= r.
+            for e in cutlass.range(ctid, 4 * 256, 256, unroll=1):
+                base = (e // 256) * 16
+                r = base + (e % 256) // 16
+                i = base + e % 16
+                if i <= r:
+                    skk = Float32(0.0)
+                    sqk = Float32(0.0)
+                    for d in cutlass.range(128, unroll=8):
+                        kid = Float32(sK[i, d, stage]) * cute.arch.exp2(sGk[r, d] - sGk[i, d])
+                        skk = skk + Float32(sK[r, d, stage]) * kid
+                        sqk = sqk + Float32(sQ[r, d, stage]) * kid
+                    if i < r and r < L:
+                        sAkk[r, i] = skk * sBeta[r]
+                    sAqk[r, i] = io(sqk * scale)
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
+    @cute.jit
+    def kda_block(self, j, ctid, wtid, L, scale, stage, qb: int, anchor, lo, sQ, sK, sAkk, sAqk, sL, sLq, sR, sGk,
+                  sBeta):
+        """Column block qb of Akk / Aqk from rows >= lo: [x_r 2^(G_r - G_anchor)] @ [k_i 2^(G_anchor - G_i)]^T."""
+        io = self.io_dtype
+        outputs = self.mode != "summary"
         thr16 = self.make_mma(False, False, 16).get_slice(wtid)
         cc16 = thr16.partition_C(cute.make_identity_tensor((C, 16)))
         acc16 = cute.make_rmem_tensor(thr16.partition_shape_C((C, 16)), Float32)
-        for qb in cutlass.range_constexpr(3):
-            anchor = 16 * qb + 15
-            for e in cutlass.range(ctid, C * 128, 256, unroll=4):
-                r = e // 128
-                d = e % 128
-                lk = Float32(0.0)
-                lq = Float32(0.0)
-                if r > anchor:
-                    f = cute.math.exp(sGk[r, d] - sGk[anchor, d], fastmath=False)
-                    lk = Float32(sK[r, d, stage]) * f
-                    lq = Float32(sQ[r, d, stage]) * f
-                sNegW[r, d] = io(lk)
-                if cutlass.const_expr(self.mode != "summary"):  # Aqk only feeds the outputs
-                    sLq[r, d] = io(lq)
-            for e in cutlass.range(ctid, 16 * 128, 256, unroll=4):
-                i = e // 128
-                d = e % 128
-                f = cute.math.exp(sGk[anchor, d] - sGk[16 * qb + i, d], fastmath=False)
-                sR[i, d] = io(Float32(sK[16 * qb + i, d, stage]) * f)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)
-            if j == 0:
-                self.gemm(wtid, acc16, sNegW, sR, False, False, False, 16)
+        for e in cutlass.range(ctid + 128 * lo, C * 128, 256, unroll=4):
+            r = e // 128
+            d = e % 128
+            f = cute.arch.exp2(sGk[r, d] - sGk[anchor, d])
+            sL[r, d] = io(Float32(sK[r, d, stage]) * f)
+            if cutlass.const_expr(outputs):  # Aqk only feeds the outputs
+                sLq[r, d] = io(Float32(sQ[r, d, stage]) * f)
+        for e in cutlass.range(ctid, 16 * 128, 256, unroll=4):
+            i = e // 128
+            d = e % 128
+            f = cute.arch.exp2(sGk[anchor, d] - sGk[16 * qb + i, d])
+            sR[i, d] = io(Float32(sK[16 * qb + i, d, stage]) * f)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        if j == 0:
+            self.gemm(wtid, acc16, sL, sR, False, False, False, 16)
+            for i in cutlass.range_constexpr(cute.size(acc16)):
+                r, col = cc16[i]
+                if r >= lo and r > 16 * qb + col and r < L:
+                    sAkk[r, 16 * qb + col] = acc16[i] * sBeta[r]
+        else:
+            if cutlass.const_expr(outputs):
+                self.gemm(wtid, acc16, sLq, sR, False, False, False, 16)
                 for i in cutlass.range_constexpr(cute.size(acc16)):
                     r, col = cc16[i]
-                    if r > anchor:
-                        sAkk[r, 16 * qb + col] = acc16[i] * sBeta[r]
-            else:
-                if cutlass.const_expr(self.mode != "summary"):
-                    self.gemm(wtid, acc16, sLq, sR, False, False, False, 16)
-                    for i in cutlass.range_constexpr(cute.size(acc16)):
-                        r, col = cc16[i]
-                        if r > anchor:
-                            sAqk[r, 16 * qb + col] = io(acc16[i] * scale)
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        # Diagonal 16 x 16 blocks: exact sums over channels, exp(G_r - G_i) <= 1 for i <= r.
-        for e in cutlass.range(ctid, 4 * 256, 256, unroll=1):
-            base = (e // 256) * 16
-            r = base + (e % 256) // 16
-            i = base + e % 16
-            if i <= r:
-                skk = Float32(0.0)
-                sqk = Float32(0.0)
-                for d in cutlass.range(128, unroll=8):
-                    kid = Float32(sK[i, d, stage]) * cute.math.exp(sGk[r, d] - sGk[i, d], fastmath=False)
-                    skk = skk + Float32(sK[r, d, stage]) * kid
-                    sqk = sqk + Float32(sQ[r, d, stage]) * kid
-                if i < r:
-                    sAkk[r, i] = skk * sBeta[r]
-                sAqk[r, i] = io(sqk * scale)
+                    if r >= lo and r >= 16 * qb + col:
+                        sAqk[r, 16 * qb + col] = io(acc16[i] * scale)
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
     @cute.jit
-    def solve_serial(self, ctid, sAkk, sX):
-        """X = (I + A)^-1 by forward substitution, one column per thread (64 threads, 2016-FMA chains)."""
-        if ctid < C:
-            x = cute.make_rmem_tensor((C,), Float32)
-            for r in cutlass.range_constexpr(C):
-                acc_x = Float32(0.0)
-                if r == ctid:
-                    acc_x = Float32(1.0)
-                for i in cutlass.range_constexpr(r):
-                    acc_x = acc_x - sAkk[r, i] * x[i]
-                if r < ctid:
-                    acc_x = Float32(0.0)
-                x[r] = acc_x
-            for r in cutlass.range_constexpr(C):
-                sX[r, ctid] = self.io_dtype(x[r])
-
-    @cute.jit
-    def x_at(self, sAkk, row, col):
-        """X[row, col] during the blocked solve: unit diagonal, strictly-lower part stored transposed above A."""
-        val = Float32(0.0)
-        if row == col:
-            val = Float32(1.0)
-        if row > col:
-            val = sAkk[col, row]
-        return val
-
-    @cute.jit
-    def solve_blocked(self, ctid, sAkk, sY, sX):
+    def solve_blocked(self, ctid, sAkk, sY, sXv, sXk, sBeta, sEG):
         """X = (I + A)^-1 for strictly-lower A [64, 64] (fp32 smem), in 16 x 16 blocks, 256 threads.
 
         Level 0: each diagonal block by forward substitution (64 threads, one column each, 120-FMA chains).
         Level d = 1..3: off-diagonal blocks p = q + d: Y = sum_{k=q}^{p-1} A_pk X_kq, then X_pq = -X_pp Y
         (one element per thread and block). X's strictly-lower part is written transposed into the unused
-        upper triangle of the A buffer, so A stays readable throughout. Ends with X in bf16 in sX.
+        upper triangle of the A buffer, so A stays readable throughout. Ends with Xv = X diag(beta) and (GDN)
+        Xk = X diag(beta 2^G) in bf16.
         """
+        io = self.io_dtype
         if ctid < C:
             base = (ctid // 16) * 16
             c = ctid % 16
@@ -635,27 +711,66 @@ class ChunkGatedDeltaRuleFwdSm90:
             for q in cutlass.range_constexpr(4 - d):
                 p = q + d
                 acc = Float32(0.0)
-                for kb in cutlass.range_constexpr(q, p):
+                # kb = q: the diagonal block X_qq (unit diagonal, zero above)
+                for s in cutlass.range_constexpr(16):
+                    xv = sAkk[16 * q + cc, 16 * q + s]
+                    if s < cc:
+                        xv = Float32(0.0)
+                    if s == cc:
+                        xv = Float32(1.0)
+                    acc = acc + sAkk[16 * p + rr, 16 * q + s] * xv
+                for kb in cutlass.range_constexpr(q + 1, p):
                     for s in cutlass.range_constexpr(16):
-                        acc = acc + sAkk[16 * p + rr, 16 * kb + s] * self.x_at(sAkk, 16 * kb + s, 16 * q + cc)
+                        acc = acc + sAkk[16 * p + rr, 16 * kb + s] * sAkk[16 * q + cc, 16 * kb + s]
                 sY[q, rr, cc] = acc
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
             for q in cutlass.range_constexpr(4 - d):
                 p = q + d
-                acc = Float32(0.0)
+                acc = -sY[q, rr, cc]
                 for s in cutlass.range_constexpr(16):
-                    acc = acc - self.x_at(sAkk, 16 * p + rr, 16 * p + s) * sY[q, s, cc]
+                    xv = sAkk[16 * p + s, 16 * p + rr]
+                    if s >= rr:
+                        xv = Float32(0.0)
+                    acc = acc - xv * sY[q, s, cc]
                 sAkk[16 * q + cc, 16 * p + rr] = acc
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
         for e in cutlass.range(ctid, C * C, 256, unroll=4):
-            sX[e // C, e % C] = self.io_dtype(self.x_at(sAkk, e // C, e % C))
+            r = e // C
+            i = e % C
+            xv = sAkk[i, r]
+            if i > r:
+                xv = Float32(0.0)
+            if i == r:
+                xv = Float32(1.0)
+            xb = xv * sBeta[i]
+            sXv[r, i] = io(xb)
+            if cutlass.const_expr(not self.kda):
+                sXk[r, i] = io(xb * sEG[i])
 
     @cute.jit
-    def store_state_copy(self, acc_s, cc_s, sS, j):
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            r, cidx = cc_s[i]
-            sS[r, cidx, j] = self.io_dtype(acc_s[i])
-        cute.arch.fence_proxy("async.shared", space="cta")
+    def store_acc(self, wtid, tiled_mma, acc, dst):
+        """Accumulator (fp32 registers of `tiled_mma`'s C layout) -> 16-bit smem tile `dst` with stmatrix."""
+        atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.io_dtype)
+        tiled = cute.make_tiled_copy_C(atom, tiled_mma)
+        thr = tiled.get_slice(wtid)
+        frag = cute.make_rmem_tensor_like(acc, self.io_dtype)
+        frag.store(acc.load().to(self.io_dtype))
+        cute.copy(tiled, tiled.retile(frag), thr.partition_D(dst))
+
+    @cute.jit
+    def store_rows(self, wtid, sO, mO, t0, head, v0, L):
+        """This warpgroup's o tile [64 tokens x 64] from smem to o[t0 + r, head, v0:v0+64] for r < L, 16 B each."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.io_dtype, num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, 8)))
+        thr = tiled.get_slice(wtid)
+        gO = cute.local_tile(cute.domain_offset((t0, cute.assume(v0, divby=HALF)), mO[None, head, None]), (C, HALF), (0, 0))
+        src = thr.partition_S(sO)
+        dst = thr.partition_D(gO)
+        rows = thr.partition_S(cute.make_identity_tensor((C, HALF)))
+        for m in cutlass.range_constexpr(cute.size(src, mode=[1])):
+            r, _ = rows[(0, 0), m, 0]
+            if r < L:
+                cute.copy(tiled, src[None, m, None], dst[None, m, None])
 
     def make_mma(self, a_mn_major: bool, b_mn_major: bool, n: int = 64):
         """A one-warpgroup tiled MMA with (64 x n x 16) atoms, bf16/fp16 operands from smem, fp32 acc."""
@@ -665,8 +780,10 @@ class ChunkGatedDeltaRuleFwdSm90:
         return cute.make_tiled_mma(cute.make_mma_atom(op), (1, 1, 1))
 
     @cute.jit
-    def gemm(self, wtid, acc, sA, sB, a_mn_major: bool, b_mn_major: bool, accumulate: bool, n: int = 64):
-        """acc (+)= A B on one warpgroup (A: (M, K), B: (N, K) smem views), then wait for it.
+    def gemm(self, wtid, acc, sA, sB, a_mn_major: bool, b_mn_major: bool, accumulate: bool, n: int = 64,
+             wait: bool = True):
+        """acc (+)= A B on one warpgroup (A: (M, K), B: (N, K) smem views); waits for it unless `wait=False`
+        (then the caller's `warpgroup.wait_group(0)` does).
 
         The tiled MMA is built here, not shared: its accumulate flag is IR state that must be defined in
         the control-flow region that uses it.
@@ -680,4 +797,5 @@ class ChunkGatedDeltaRuleFwdSm90:
             tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate or kb != 0)
             cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        if cutlass.const_expr(wait):
+            warpgroup.wait_group(0)

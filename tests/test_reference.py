@@ -609,3 +609,27 @@ def test_kda_intra_chunk_blocks_never_overflow(decay, C):
     Akk16, Aqk16 = intra_chunk_blocked(q, k, g, beta, scale=K ** -0.5)
     assert (Akk16.double() - want_kk).abs().max() <= 2e-2
     assert (Aqk16.double() - want_qk).abs().max() <= 2e-2
+
+
+@pytest.mark.parametrize("g_fill,fast", [(-0.5, True), (-5.0, True), (-5.3, False), (-20.0, False)])
+def test_kda_intra_chunk_paths(g_fill, fast):
+    """The fast path (first-row anchors, right factors up to 2^112) is taken up to FLA's lower bound (-5 per step)
+    and is as accurate as the exact path; past the limit the exact path is taken."""
+    from cute_kernels.reference.kda_intra import intra_chunk_blocked, intra_chunk_exact, uses_fast_path
+
+    gen = _gen("kda-paths", g_fill)
+    C, K = 64, 32
+    q = F.normalize(torch.randn(C, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(C, K, generator=gen), dim=-1)
+    g = g_fill * (0.9 + 0.1 * torch.rand(C, K, generator=gen))
+    g[:, 0] = g_fill   # one channel at the full decay decides the path
+    beta = torch.sigmoid(torch.randn(C, generator=gen))
+    assert uses_fast_path(g) == fast
+    want_kk, want_qk = intra_chunk_exact(q, k, g, beta, scale=K ** -0.5)
+    Akk, Aqk = intra_chunk_blocked(q, k, g, beta, scale=K ** -0.5, operand_dtype=torch.float32)
+    assert torch.isfinite(Akk).all() and torch.isfinite(Aqk).all()
+    assert (Akk.double() - want_kk).abs().max() <= 1e-5
+    assert (Aqk.double() - want_qk).abs().max() <= 1e-5
+    Akk16, Aqk16 = intra_chunk_blocked(q, k, g, beta, scale=K ** -0.5)
+    assert (Akk16.double() - want_kk).abs().max() <= 2e-2
+    assert (Aqk16.double() - want_qk).abs().max() <= 2e-2

@@ -5,13 +5,22 @@ For per-channel decay the chunk products need exp(G_rd - G_id) inside the channe
     Akk[r, i] = b_r sum_d k_rd k_id exp(G_rd - G_id)   (i < r)      Aqk[r, i] = s sum_d q_rd k_id exp(G_rd - G_id)   (i <= r)
 
 with G the inclusive cumulative log decay inside the chunk (G <= 0, non-increasing). The kernels split the
-chunk into 16-row blocks and never exponentiate a positive number:
+chunk into 16-row blocks and take one of two paths per chunk:
+
+Fast path (every 16-row block decays by at most 2^ANCHOR_LIMIT_LOG2 in every channel, i.e. G[b] - G[b + 15] <=
+112 ln 2 = 77.6; FLA's lower bound g >= -5 gives at most 75): one product per column block q, anchored at its
+FIRST row a, covering its diagonal block and every row below:
+[x_r exp(G_r - G_a)]_{r >= a} @ [k_i exp(G_a - G_i)]_{i in block q}^T. The left factor is <= 1, the right one
+<= 2^112 (finite in fp32 and bf16), and their product is exp(G_r - G_i) <= 1 for i <= r.
+
+Exact path (otherwise), where no positive number is exponentiated:
 - below the diagonal blocks (row block p > column block q): anchor at e = the last row of block q, so
   exp(G_r - G_i) = exp(G_r - G_e) exp(G_e - G_i) with both factors <= 1 (r > e >= i). One product per column
   block: [x_r exp(G_r - G_e)]_{r in blocks > q} @ [k_i exp(G_e - G_i)]_{i in block q}^T (a 64 x 16 x K product).
 - the 16 x 16 diagonal blocks: exact pairwise sums with exp(G_rd - G_id) <= 1 (i <= r).
-So any g <= 0 is accepted (no lower-bound contract). `intra_chunk_blocked` computes the two matrices that way,
-with operands rounded to `operand_dtype` as the tensor-core products see them and fp32 accumulation.
+So any g <= 0 is accepted (no lower-bound contract); chunks past the limit only run slower.
+`intra_chunk_blocked` computes the two matrices the kernels' way, with operands rounded to `operand_dtype` as
+the tensor-core products see them and fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -19,6 +28,16 @@ from __future__ import annotations
 import torch
 
 BLOCK = 16
+# The fast path's bound on a right factor, log2 units (the SM90 kernel reads this constant).
+ANCHOR_LIMIT_LOG2 = 112.0
+
+
+def uses_fast_path(g, block=BLOCK) -> bool:
+    """True if no 16-row block of this chunk decays by more than 2^ANCHOR_LIMIT_LOG2 in any channel."""
+    G = torch.cumsum(g.double(), dim=0) / torch.log(torch.tensor(2.0, dtype=torch.float64))
+    C = G.shape[0]
+    spans = [(G[b] - G[min(b + block, C) - 1]).max().item() for b in range(0, C, block)]
+    return max(spans) <= ANCHOR_LIMIT_LOG2
 
 
 def intra_chunk_blocked(q, k, g, beta, scale, operand_dtype=torch.bfloat16, block=BLOCK):
@@ -32,6 +51,15 @@ def intra_chunk_blocked(q, k, g, beta, scale, operand_dtype=torch.bfloat16, bloc
     rnd = lambda t: t.to(operand_dtype).float()
     Akk = torch.zeros(C, C)
     Aqk = torch.zeros(C, C)
+    if uses_fast_path(g, block):
+        for a in range(0, C, block):
+            cols = slice(a, min(a + block, C))
+            right = rnd(kf[cols] * torch.exp(G[a] - G[cols]))        # <= 2^112
+            left_k = rnd(kf[a:] * torch.exp(G[a:] - G[a]))           # <= 1
+            left_q = rnd(qf[a:] * torch.exp(G[a:] - G[a]))
+            Akk[a:, cols] = left_k @ right.T
+            Aqk[a:, cols] = left_q @ right.T
+        return torch.tril(Akk, -1) * beta.float()[:, None], torch.tril(Aqk) * scale
     for qb in range(0, C, block):
         e = min(qb + block, C) - 1                      # anchor: last row of column block qb
         rows = slice(qb + block, C)                     # row blocks below it

@@ -18,6 +18,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
+from cute_kernels.reference.kda_intra import ANCHOR_LIMIT_LOG2
 from schedulers.device import TileScheduler
 
 C = 64        # chunk length (tokens)
@@ -26,7 +27,7 @@ NUM_STAGES = 2  # q/k/v ring depth for GDN (KDA: 1)
 LOG2E = math.log2(math.e)
 # KDA: the anchored diagonal-block products use right factors up to 2^KDA_ANCHOR_LIMIT (log2 units, per 16 rows).
 # A chunk whose decay inside a 16-row block exceeds it takes the exact (slower) diagonal path instead.
-KDA_ANCHOR_LIMIT = 112.0
+KDA_ANCHOR_LIMIT = ANCHOR_LIMIT_LOG2
 
 
 def _smem_layout(rows: int, cols: int, dtype, stages: int = 1, mn_view: bool = False):

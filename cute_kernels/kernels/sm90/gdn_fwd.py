@@ -401,21 +401,20 @@ class ChunkGatedDeltaRuleFwdSm90:
                                   wait=False)
                     warpgroup.wait_group(0)
                     if cutlass.const_expr("intra" not in self.skip):
+                        # 2^(G_r - G_i) may overflow above the diagonal: computed everywhere, then selected away.
                         if j == 0:
                             for i in cutlass.range_constexpr(cute.size(acc_kk)):
                                 r, col = cc_kk[i]
-                                val = Float32(0.0)
-                                if col < r and r < L:
-                                    val = acc_kk[i] * cute.arch.exp2(sG[r] - sG[col]) * sBeta[r]
-                                tAkk[i] = val
+                                val = acc_kk[i] * cute.math.exp2(sG[r] - sG[col], fastmath=True) * sBeta[r]
+                                acc_kk[i] = cutlass.select_(col < r and r < L, val, Float32(0.0))
+                            for i in cutlass.range_constexpr(cute.size(acc_kk)):   # stores after all loads
+                                tAkk[i] = acc_kk[i]
                         else:
                             if cutlass.const_expr(outputs):
                                 for i in cutlass.range_constexpr(cute.size(acc_kk)):
                                     r, col = cc_kk[i]
-                                    val = Float32(0.0)
-                                    if col <= r:
-                                        val = acc_kk[i] * cute.arch.exp2(sG[r] - sG[col]) * scale
-                                    acc_kk[i] = val
+                                    val = acc_kk[i] * cute.math.exp2(sG[r] - sG[col], fastmath=True) * scale
+                                    acc_kk[i] = cutlass.select_(col <= r, val, Float32(0.0))
                                 self.store_acc(wtid, self.make_mma(False, False), acc_kk, sAqk)
                     if cutlass.const_expr(outputs and "out" not in self.skip):
                         for i in cutlass.range_constexpr(cute.size(acc_o)):
@@ -471,7 +470,7 @@ class ChunkGatedDeltaRuleFwdSm90:
                     if cutlass.const_expr(kda):
                         for i in cutlass.range_constexpr(cute.size(acc_s)):
                             r, cidx = cc_s[i]
-                            acc_s[i] = acc_s[i] * cute.arch.exp2(sGL[r])
+                            acc_s[i] = acc_s[i] * cute.math.exp2(sGL[r], fastmath=True)
                     else:
                         decay_last = sEG[L - 1]
                         for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -529,11 +528,11 @@ class ChunkGatedDeltaRuleFwdSm90:
             if ctid >= 32:
                 x = x + s0
             sG[ctid] = x
-            sEG[ctid] = cute.arch.exp2(x)
+            sEG[ctid] = cute.math.exp2(x, fastmath=True)
             egl = Float32(0.0)
             bl = Float32(0.0)
             if ctid < L:
-                egl = cute.arch.exp2(glast - x)
+                egl = cute.math.exp2(glast - x, fastmath=True)
                 bl = bv
             sEGL[ctid] = egl
             sBeta[ctid] = bl
@@ -579,10 +578,10 @@ class ChunkGatedDeltaRuleFwdSm90:
             r = e // 128
             col = e % 128
             gr = sGk[r, col]
-            eg = cute.arch.exp2(gr)
+            eg = cute.math.exp2(gr, fastmath=True)
             egl = Float32(0.0)
             if r < L:
-                egl = cute.arch.exp2(sGL[col] - gr)
+                egl = cute.math.exp2(sGL[col] - gr, fastmath=True)
             kv = Float32(sK[r, col, stage])
             sKb_mn[col, r] = io(kv * eg)
             sK[r, col, stage] = io(kv * egl)
@@ -602,11 +601,12 @@ class ChunkGatedDeltaRuleFwdSm90:
         outputs = self.mode != "summary"
         sLq = self.view(st.sKb, C, 128)[None, None, 0]      # left factors of the q rows (K-major A)
         sR = self.view(st.sVnew, 16, 128)[None, None, 0]    # right factor of one column block
-        for e in cutlass.range(ctid, C * C, 256, unroll=4):
-            sAkk[e // C, e % C] = Float32(0.0)
-            sAqk[e // C, e % C] = io(0.0)
         exact = sFlag[0] != 0
         not_exact = sFlag[0] == 0
+        if exact:   # column block 3 and the diagonal blocks' upper halves are not written by the blocks below
+            for e in cutlass.range(ctid, C * C, 256, unroll=4):
+                sAkk[e // C, e % C] = Float32(0.0)
+                sAqk[e // C, e % C] = io(0.0)
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
         for qb in cutlass.range_constexpr(4):
             # fast: anchor = first row of the block, rows >= it; exact: anchor = last row, rows below the block
@@ -632,7 +632,7 @@ class ChunkGatedDeltaRuleFwdSm90:
                     skk = Float32(0.0)
                     sqk = Float32(0.0)
                     for d in cutlass.range(128, unroll=8):
-                        kid = Float32(sK[i, d, stage]) * cute.arch.exp2(sGk[r, d] - sGk[i, d])
+                        kid = Float32(sK[i, d, stage]) * cute.math.exp2(sGk[r, d] - sGk[i, d], fastmath=True)
                         skk = skk + Float32(sK[r, d, stage]) * kid
                         sqk = sqk + Float32(sQ[r, d, stage]) * kid
                     if i < r and r < L:
@@ -652,30 +652,36 @@ class ChunkGatedDeltaRuleFwdSm90:
         for e in cutlass.range(ctid + 128 * lo, C * 128, 256, unroll=4):
             r = e // 128
             d = e % 128
-            f = cute.arch.exp2(sGk[r, d] - sGk[anchor, d])
+            f = cute.math.exp2(sGk[r, d] - sGk[anchor, d], fastmath=True)
             sL[r, d] = io(Float32(sK[r, d, stage]) * f)
             if cutlass.const_expr(outputs):  # Aqk only feeds the outputs
                 sLq[r, d] = io(Float32(sQ[r, d, stage]) * f)
         for e in cutlass.range(ctid, 16 * 128, 256, unroll=4):
             i = e // 128
             d = e % 128
-            f = cute.arch.exp2(sGk[anchor, d] - sGk[16 * qb + i, d])
+            f = cute.math.exp2(sGk[anchor, d] - sGk[16 * qb + i, d], fastmath=True)
             sR[i, d] = io(Float32(sK[16 * qb + i, d, stage]) * f)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        # Every element of the 64 x 16 column block is written (zeros outside the kept rows), so the fast path
+        # needs no zero fill; the exact path overwrites the diagonal block afterwards.
         if j == 0:
             self.gemm(wtid, acc16, sL, sR, False, False, False, 16)
             for i in cutlass.range_constexpr(cute.size(acc16)):
                 r, col = cc16[i]
-                if r >= lo and r > 16 * qb + col and r < L:
-                    sAkk[r, 16 * qb + col] = acc16[i] * sBeta[r]
+                acc16[i] = cutlass.select_(r >= lo and r > 16 * qb + col and r < L, acc16[i] * sBeta[r], Float32(0.0))
+            for i in cutlass.range_constexpr(cute.size(acc16)):
+                r, col = cc16[i]
+                sAkk[r, 16 * qb + col] = acc16[i]
         else:
             if cutlass.const_expr(outputs):
                 self.gemm(wtid, acc16, sLq, sR, False, False, False, 16)
                 for i in cutlass.range_constexpr(cute.size(acc16)):
                     r, col = cc16[i]
-                    if r >= lo and r >= 16 * qb + col:
-                        sAqk[r, 16 * qb + col] = io(acc16[i] * scale)
+                    acc16[i] = cutlass.select_(r >= lo and r >= 16 * qb + col, acc16[i] * scale, Float32(0.0))
+                for i in cutlass.range_constexpr(cute.size(acc16)):
+                    r, col = cc16[i]
+                    sAqk[r, 16 * qb + col] = io(acc16[i])
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
     @cute.jit

@@ -274,6 +274,10 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     rows: list[dict] = []
     finished = False
+    tag = args.grid + ("-segment" if args.scheduler == "segment" else "")
+    if args.cells:
+        tag += "_cells" + args.cells.replace(":", "-")
+    stem = report.result_stem(args.out, args.op, tag, device_name, date)
     try:
         with torch.inference_mode():
             bar = tqdm(todo, desc=f"{args.op} {args.grid}", unit="cell")
@@ -286,6 +290,8 @@ def main(argv=None) -> int:
                 if report.rel_err_bad(row):
                     bar.write(f"ours differs from the peer at B={B} H={H} T={T}: rel err {row['max_rel_err']:.3g}")
                 rows.append(row)
+                # Checkpoint after every cell: a run killed from outside still leaves what it measured.
+                report.write_json(stem.with_suffix(".json"), dict(meta, complete=False), rows)
                 torch.cuda.empty_cache()
         finished = True
     finally:
@@ -296,10 +302,6 @@ def main(argv=None) -> int:
             print(report.format_report(rows, op=args.op, grid=args.grid, device=device_name,
                                        sm_count=props.multi_processor_count,
                                        group_starts=grids.group_starts(rows_def)))
-            tag = args.grid + ("-segment" if args.scheduler == "segment" else "")
-            if args.cells:
-                tag += "_cells" + args.cells.replace(":", "-")
-            stem = report.result_stem(args.out, args.op, tag, device_name, date)
             meta["complete"] = finished
             json_path = report.write_json(stem.with_suffix(".json"), meta, rows)
             png_path = report.write_heatmap(rows, stem.with_suffix(".png"),

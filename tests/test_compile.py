@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def compiled_dir(request, tmp_path_factory):
     arch = request.param
     out = tmp_path_factory.mktemp(arch)
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     env.pop("CUTE_DSL_ARCH", None)
     proc = subprocess.run([sys.executable, "-m", "cute_kernels", "compile", "--arch", arch, "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -26,7 +26,7 @@ def compiled_dir(request, tmp_path_factory):
 
 def variant_names(arch):
     code = f"from cute_kernels.variants import all_variants; print('\\n'.join(v.name for v in all_variants('{arch}')))"
-    env = dict(os.environ, PYTHONPATH=ROOT, CUTE_DSL_ARCH=arch)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])), CUTE_DSL_ARCH=arch)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     return out.stdout.split()
 
@@ -60,7 +60,7 @@ def test_ptx_contents(compiled_dir):
 
 
 def test_cli_rejects_unknown_op(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-m", "cute_kernels", "compile", "--arch", "sm_90a", "--op", "nope",
                            "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and "no variant" in proc.stderr

@@ -94,7 +94,7 @@ def test_smem_views_alias(tmp_path):
     """The K-major and MN-major views of each shared-memory buffer address the same bytes."""
     script = tmp_path / "layout_check.py"  # CuTe DSL compiles only functions defined in a file
     script.write_text(LAYOUT_CHECK)
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

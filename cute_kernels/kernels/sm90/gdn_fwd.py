@@ -539,36 +539,43 @@ class ChunkGatedDeltaRuleFwdSm90:
 
     @cute.jit
     def kda_gates(self, ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag):
-        """G[r, d] (log2 units, one thread per channel d), G[L-1, d], beta_r; sFlag[0] = 1 if some 16-row block
-        decays by more than KDA_ANCHOR_LIMIT in some channel (then the exact diagonal path runs)."""
+        """G[r, d] (log2 units), G[L-1, d], beta_r; sFlag[0] = 1 if some 16-row block decays by more than
+        KDA_ANCHOR_LIMIT in some channel (then the exact diagonal path runs).
+
+        All 256 consumer threads: thread ctid scans channel d = ctid % 128 over rows [32 h, 32 h + 32), h = ctid // 128
+        (32 independent loads, then the running sum in registers); the second half adds the first half's total.
+        """
+        d = ctid % 128
+        h = ctid // 128
         if ctid == 0:
             sFlag[0] = Int32(0)
+        if ctid < C:
+            bv = Float32(0.0)
+            if ctid < L:
+                bv = Float32(mBeta[t0 + ctid, head])
+            sBeta[ctid] = bv
+        gl = cute.make_rmem_tensor((32,), Float32)
+        for rr in cutlass.range_constexpr(32):
+            gv = Float32(0.0)
+            if 32 * h + rr < L:
+                gv = Float32(mG[t0 + 32 * h + rr, head, d])
+            gl[rr] = gv * LOG2E
+        for rr in cutlass.range_constexpr(1, 32):
+            gl[rr] = gl[rr] + gl[rr - 1]
+        # the largest right factor of a block is 2^(G[first row] - G[last row]); offsets cancel
+        worst = cutlass.max(gl[0] - gl[15], gl[16] - gl[31])
+        if h == 0:
+            for rr in cutlass.range_constexpr(32):
+                sGk[rr, d] = gl[rr]
+            sGL[d] = gl[31]
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        if ctid < 128:
-            acc_g = Float32(0.0)
-            worst = Float32(0.0)
-            for b in cutlass.range_constexpr(4):
-                for rr in cutlass.range_constexpr(16):
-                    r = 16 * b + rr
-                    gv = Float32(0.0)
-                    if r < L:
-                        gv = Float32(mG[t0 + r, head, ctid]) * LOG2E
-                    acc_g = acc_g + gv
-                    sGk[r, ctid] = acc_g
-                # the block's largest right factor is 2^(G[16 b] - G[16 b + 15])
-                span = sGk[16 * b, ctid] - acc_g
-                if span > worst:
-                    worst = span
-            sGL[ctid] = acc_g
-            if worst > KDA_ANCHOR_LIMIT:
-                sFlag[0] = Int32(1)
-        else:
-            r = ctid - 128
-            if r < C:
-                bv = Float32(0.0)
-                if r < L:
-                    bv = Float32(mBeta[t0 + r, head])
-                sBeta[r] = bv
+        if h == 1:
+            off = sGL[d]
+            for rr in cutlass.range_constexpr(32):
+                sGk[32 + rr, d] = gl[rr] + off
+            sGL[d] = gl[31] + off
+        if worst > KDA_ANCHOR_LIMIT:
+            sFlag[0] = Int32(1)
 
     @cute.jit
     def kda_gating(self, ctid, L, stage, sQ, sK, sKb_mn, sGk, sGL):
@@ -688,7 +695,7 @@ class ChunkGatedDeltaRuleFwdSm90:
     def solve_blocked(self, ctid, sAkk, sY, sXv, sXk, sBeta, sEG):
         """X = (I + A)^-1 for strictly-lower A [64, 64] (fp32 smem), in 16 x 16 blocks, 256 threads.
 
-        Level 0: each diagonal block by forward substitution (64 threads, one column each, 120-FMA chains).
+        Level 0: each diagonal block by right-looking substitution (64 threads, one column each).
         Level d = 1..3: off-diagonal blocks p = q + d: Y = sum_{k=q}^{p-1} A_pk X_kq, then X_pq = -X_pp Y
         (one element per thread and block). X's strictly-lower part is written transposed into the unused
         upper triangle of the A buffer, so A stays readable throughout. Ends with Xv = X diag(beta) and (GDN)
@@ -696,50 +703,47 @@ class ChunkGatedDeltaRuleFwdSm90:
         """
         io = self.io_dtype
         if ctid < C:
+            # Right-looking substitution: once x_i is final, every later row takes its term (independent FMAs,
+            # a 16-step critical path instead of a 120-step one). Rows above c stay 0 by construction.
             base = (ctid // 16) * 16
             c = ctid % 16
             x = cute.make_rmem_tensor((16,), Float32)
             for r in cutlass.range_constexpr(16):
-                acc = Float32(0.0)
-                if r == c:
-                    acc = Float32(1.0)
-                for i in cutlass.range_constexpr(r):
-                    acc = acc - sAkk[base + r, base + i] * x[i]
-                if r < c:
-                    acc = Float32(0.0)
-                x[r] = acc
+                x[r] = cutlass.select_(c == r, Float32(1.0), Float32(0.0))
+            for i in cutlass.range_constexpr(16):
+                xi = x[i]
+                for r in cutlass.range_constexpr(i + 1, 16):
+                    x[r] = x[r] - sAkk[base + r, base + i] * xi
             for r in cutlass.range_constexpr(16):
                 if r > c:
                     sAkk[base + c, base + r] = x[r]
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
         rr = ctid // 16
         cc = ctid % 16
+        part = cute.make_rmem_tensor((4,), Float32)   # 4 independent partial sums per dot product
         for d in cutlass.range_constexpr(1, 4):
             for q in cutlass.range_constexpr(4 - d):
                 p = q + d
-                acc = Float32(0.0)
+                part.fill(0.0)
                 # kb = q: the diagonal block X_qq (unit diagonal, zero above)
                 for s in cutlass.range_constexpr(16):
                     xv = sAkk[16 * q + cc, 16 * q + s]
-                    if s < cc:
-                        xv = Float32(0.0)
-                    if s == cc:
-                        xv = Float32(1.0)
-                    acc = acc + sAkk[16 * p + rr, 16 * q + s] * xv
+                    xv = cutlass.select_(s < cc, Float32(0.0), xv)
+                    xv = cutlass.select_(s == cc, Float32(1.0), xv)
+                    part[s % 4] = part[s % 4] + sAkk[16 * p + rr, 16 * q + s] * xv
                 for kb in cutlass.range_constexpr(q + 1, p):
                     for s in cutlass.range_constexpr(16):
-                        acc = acc + sAkk[16 * p + rr, 16 * kb + s] * sAkk[16 * q + cc, 16 * kb + s]
-                sY[q, rr, cc] = acc
+                        part[s % 4] = part[s % 4] + sAkk[16 * p + rr, 16 * kb + s] * sAkk[16 * q + cc, 16 * kb + s]
+                sY[q, rr, cc] = (part[0] + part[1]) + (part[2] + part[3])
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
             for q in cutlass.range_constexpr(4 - d):
                 p = q + d
-                acc = -sY[q, rr, cc]
+                part.fill(0.0)
                 for s in cutlass.range_constexpr(16):
                     xv = sAkk[16 * p + s, 16 * p + rr]
-                    if s >= rr:
-                        xv = Float32(0.0)
-                    acc = acc - xv * sY[q, s, cc]
-                sAkk[16 * q + cc, 16 * p + rr] = acc
+                    xv = cutlass.select_(s >= rr, Float32(0.0), xv)
+                    part[s % 4] = part[s % 4] + xv * sY[q, s, cc]
+                sAkk[16 * q + cc, 16 * p + rr] = -sY[q, rr, cc] - ((part[0] + part[1]) + (part[2] + part[3]))
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
         for e in cutlass.range(ctid, C * C, 256, unroll=4):
             r = e // C

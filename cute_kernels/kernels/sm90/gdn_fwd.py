@@ -80,7 +80,8 @@ class ChunkGatedDeltaRuleFwdSm90:
       3. Consumer j: w[:, cols j] = Xk k (KDA: Xv kb) -> -w bf16 smem; u_j = Xv v_j (registers).
       4. v_new_j = u_j - w S_j (wgmma, S_j bf16 in smem) -> bf16 smem; GDN also 2^(G_L - G_r) v_new_j.
       5. o_j += Aqk v_new_j and S_j <- 2^G_L S_j + k^T (2^(G_L - G) v_new_j) (KDA: the gated k tile), issued
-         together; o_j -> smem (stmatrix into the -w buffer) -> global in 16-byte vectors (rows < L).
+         together; o_j -> smem (stmatrix into the decayed-v_new half, KDA: the -w buffer) -> global in 16-byte
+         vectors (rows < L).
     `skip` leaves stages out, for timing by subtraction only.
     """
 
@@ -478,11 +479,17 @@ class ChunkGatedDeltaRuleFwdSm90:
                     self.gemm(wtid, acc_s, sK_mn[None, None, stage], sVnewD_mn[None, None, j], True, True, True,
                               wait=False)
                 warpgroup.wait_group(0)
-                # Both warpgroups are done reading -w (step 4) and the q/k/v stage.
-                cute.arch.barrier(barrier_id=1, number_of_threads=256)
-                load.consumer_release(state)
+                load.consumer_release(state)   # this warp is done with the q/k/v stage
                 state.advance()
-                sO = cute.local_tile(sNegW, (C, HALF), (0, j))
+                # The o tile is staged in this warpgroup's decayed-v_new half (GDN: only its own products read
+                # it, so a warpgroup barrier suffices) or in its half of the -w buffer (KDA: both warpgroups
+                # read all of -w in step 4, so both must be past it).
+                sO = sVnewD[None, None, j]
+                if cutlass.const_expr(kda):
+                    sO = cute.local_tile(sNegW, (C, HALF), (0, j))
+                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                else:
+                    cute.arch.barrier(barrier_id=2 + j, number_of_threads=128)
                 if cutlass.const_expr(outputs and "out" not in self.skip):
                     self.store_acc(wtid, mma64, acc_o, sO)
                 if cutlass.const_expr("state" not in self.skip):

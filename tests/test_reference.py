@@ -587,12 +587,27 @@ def test_segment_summary_is_the_recurrence_on_an_augmented_state(kda):
     _assert_close(s_end[..., V:], M[0:1], "M")
 
 
+def _assert_intra_matches(q, k, g, beta):
+    """The blocked KDA intra-chunk matrices equal the definition: fp32 operands to 1e-5, finite, and bf16 operands
+    with fp32 accumulation (the tensor-core path) within bf16 rounding."""
+    from cute_kernels.reference.kda_intra import intra_chunk_blocked, intra_chunk_exact
+
+    scale = k.shape[-1] ** -0.5
+    Akk, Aqk = intra_chunk_blocked(q, k, g, beta, scale=scale, operand_dtype=torch.float32)
+    want_kk, want_qk = intra_chunk_exact(q, k, g, beta, scale=scale)
+    assert torch.isfinite(Akk).all() and torch.isfinite(Aqk).all()
+    assert (Akk.double() - want_kk).abs().max() <= 1e-5
+    assert (Aqk.double() - want_qk).abs().max() <= 1e-5
+    Akk16, Aqk16 = intra_chunk_blocked(q, k, g, beta, scale=scale)
+    assert (Akk16.double() - want_kk).abs().max() <= 2e-2
+    assert (Aqk16.double() - want_qk).abs().max() <= 2e-2
+
+
 @pytest.mark.parametrize("decay", [0.1, 1.0, 20.0])
 @pytest.mark.parametrize("C", [64, 40])
 def test_kda_intra_chunk_blocks_never_overflow(decay, C):
     """The blocked, anchored form of the KDA intra-chunk matrices (what the kernels compute) matches the
     definition and stays finite even for decays far past any lower-bound contract (g = -20 per step)."""
-    from cute_kernels.reference.kda_intra import intra_chunk_blocked, intra_chunk_exact
 
     gen = _gen("kda-intra", decay, C)
     K = 32
@@ -600,22 +615,14 @@ def test_kda_intra_chunk_blocks_never_overflow(decay, C):
     k = F.normalize(torch.randn(C, K, generator=gen), dim=-1)
     g = -decay * torch.rand(C, K, generator=gen)
     beta = torch.sigmoid(torch.randn(C, generator=gen))
-    Akk, Aqk = intra_chunk_blocked(q, k, g, beta, scale=K ** -0.5, operand_dtype=torch.float32)
-    want_kk, want_qk = intra_chunk_exact(q, k, g, beta, scale=K ** -0.5)
-    assert torch.isfinite(Akk).all() and torch.isfinite(Aqk).all()
-    assert (Akk.double() - want_kk).abs().max() <= 1e-5
-    assert (Aqk.double() - want_qk).abs().max() <= 1e-5
-    # bf16 operands, fp32 accumulation (the tensor-core path): within bf16 rounding.
-    Akk16, Aqk16 = intra_chunk_blocked(q, k, g, beta, scale=K ** -0.5)
-    assert (Akk16.double() - want_kk).abs().max() <= 2e-2
-    assert (Aqk16.double() - want_qk).abs().max() <= 2e-2
+    _assert_intra_matches(q, k, g, beta)
 
 
 @pytest.mark.parametrize("g_fill,fast", [(-0.5, True), (-5.0, True), (-5.3, False), (-20.0, False)])
 def test_kda_intra_chunk_paths(g_fill, fast):
     """The fast path (first-row anchors, right factors up to 2^112) is taken up to FLA's lower bound (-5 per step)
     and is as accurate as the exact path; past the limit the exact path is taken."""
-    from cute_kernels.reference.kda_intra import intra_chunk_blocked, intra_chunk_exact, uses_fast_path
+    from cute_kernels.reference.kda_intra import uses_fast_path
 
     gen = _gen("kda-paths", g_fill)
     C, K = 64, 32
@@ -625,11 +632,4 @@ def test_kda_intra_chunk_paths(g_fill, fast):
     g[:, 0] = g_fill   # one channel at the full decay decides the path
     beta = torch.sigmoid(torch.randn(C, generator=gen))
     assert uses_fast_path(g) == fast
-    want_kk, want_qk = intra_chunk_exact(q, k, g, beta, scale=K ** -0.5)
-    Akk, Aqk = intra_chunk_blocked(q, k, g, beta, scale=K ** -0.5, operand_dtype=torch.float32)
-    assert torch.isfinite(Akk).all() and torch.isfinite(Aqk).all()
-    assert (Akk.double() - want_kk).abs().max() <= 1e-5
-    assert (Aqk.double() - want_qk).abs().max() <= 1e-5
-    Akk16, Aqk16 = intra_chunk_blocked(q, k, g, beta, scale=K ** -0.5)
-    assert (Akk16.double() - want_kk).abs().max() <= 2e-2
-    assert (Aqk16.double() - want_qk).abs().max() <= 2e-2
+    _assert_intra_matches(q, k, g, beta)

@@ -20,6 +20,9 @@ class KernelEmulator:
         self.init, self.store_final, self.kda, self.mode = has_initial_state, store_final_state, kda, mode
 
     def fn(self, q, k, v, g, beta, o, s_in, s_out, tiles, num_tiles, grid, scale):
+        # The kernel takes [B, T, ...] tensors and flattens B and T (they must be contiguous).
+        assert all(t.is_contiguous() for t in (q, k, v, g, beta, o))
+        q, k, v, g, beta, o = (t.flatten(0, 1) for t in (q, k, v, g, beta, o))
         col = {f: i for i, f in enumerate(TILE_FIELDS)}
         for row in tiles[:num_tiles].tolist():
             t = {f: row[i] for f, i in col.items()}

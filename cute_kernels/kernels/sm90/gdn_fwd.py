@@ -119,12 +119,12 @@ class ChunkGatedDeltaRuleFwdSm90:
     @cute.jit
     def __call__(
         self,
-        q: cute.Tensor,            # [T, H, K]  (B and T flattened; tiles carry token offsets)
-        k: cute.Tensor,            # [T, H, K]
-        v: cute.Tensor,            # [T, H, V]
-        g: cute.Tensor,            # [T, H] fp32 (KDA: [T, H, K]), per-step log decay
-        beta: cute.Tensor,         # [T, H]
-        o: cute.Tensor,            # [T, H, V]
+        q: cute.Tensor,            # [B, T, H, K] (B and T are flattened here; tiles carry token offsets)
+        k: cute.Tensor,            # [B, T, H, K]
+        v: cute.Tensor,            # [B, T, H, V]
+        g: cute.Tensor,            # [B, T, H] fp32 (KDA: [B, T, H, K]), per-step log decay
+        beta: cute.Tensor,         # [B, T, H]
+        o: cute.Tensor,            # [B, T, H, V]
         initial_state: cute.Tensor,  # [N, H, K, V] fp32 (if has_initial_state); segment_outputs: [slots, H, K, V]
         final_state: cute.Tensor,    # [N, H, K, V] fp32 (if store_final_state); summary: [2 * slots, H, K, V]
         tiles: cute.Tensor,        # [num_tiles, NUM_TILE_FIELDS] int32 (a Schedule's table)
@@ -134,6 +134,18 @@ class ChunkGatedDeltaRuleFwdSm90:
         stream,
     ):
         io = self.io_dtype
+
+        # [B, T, ...] -> [B * T, ...]: the ops pass contiguous tensors, so B's stride is T times T's (flattening
+        # here keeps six tensor views off the host's per-call path).
+        def flat(t):
+            return cute.make_tensor(
+                t.iterator,
+                cute.make_layout((t.shape[0] * t.shape[1],) + tuple(t.shape[2:]),
+                                 stride=(t.stride[1],) + tuple(t.stride[2:])),
+            )
+
+        q, k, v, g, beta, o = flat(q), flat(k), flat(v), flat(g), flat(beta), flat(o)
+
         # Per-head 2-D views [T, 128] of q, k, v as 3-D (T, D, H) tensors for TMA.
         def thd(t):
             return cute.make_tensor(

@@ -633,3 +633,15 @@ def test_kda_intra_chunk_paths(g_fill, fast):
     beta = torch.sigmoid(torch.randn(C, generator=gen))
     assert uses_fast_path(g) == fast
     _assert_intra_matches(q, k, g, beta)
+
+
+@pytest.mark.parametrize("scale", [0.05, 0.3])
+def test_blocked_solve_spec(scale):
+    """The SM90 kernels' blocked (I + A)^-1 scheme (right-looking level 0, 4-way partial sums) is the inverse."""
+    from cute_kernels.reference.blocked_solve import blocked_unit_lower_inverse
+
+    gen = _gen("blocked-solve", scale)
+    A = torch.tril(torch.randn(64, 64, generator=gen, dtype=torch.float64) * scale, -1)
+    X = blocked_unit_lower_inverse(A)
+    want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + A)
+    assert (X - want).abs().max() <= 1e-12 * max(1.0, want.abs().max().item())

@@ -718,7 +718,7 @@ class ChunkGatedDeltaRuleFwdSm90:
         Level d = 1..3: off-diagonal blocks p = q + d: Y = sum_{k=q}^{p-1} A_pk X_kq, then X_pq = -X_pp Y
         (one element per thread and block). X's strictly-lower part is written transposed into the unused
         upper triangle of the A buffer, so A stays readable throughout. Ends with Xv = X diag(beta) and (GDN)
-        Xk = X diag(beta 2^G) in bf16.
+        Xk = X diag(beta 2^G) in bf16. Spec (same steps, CPU-tested): cute_kernels/reference/blocked_solve.py.
         """
         io = self.io_dtype
         if ctid < C:

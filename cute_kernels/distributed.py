@@ -59,18 +59,18 @@ def _summary(k, v, g, beta, backend, kda):
         from schedulers import Problem, schedule_from_segmentation
         from schedulers.problem import Segmentation, split_even
 
-        from .ops.linear_attention import GDN_SOLVE, compile_gdn_sm90
+        from .ops.linear_attention import compile_gdn_sm90
 
         H, K, V = k.shape[2], k.shape[3], v.shape[3]
+        k, v, beta = k.contiguous(), v.contiguous(), beta.contiguous()   # the kernel flattens [B, T, ...] itself
         problem = Problem(tuple([T] * B), tuple(b * T for b in range(B)), H, 64, num_blocks=2)
         sched = schedule_from_segmentation(problem, Segmentation([split_even(-(-T // 64), 1)] * B))
         summary = torch.empty((2 * B, H, K, V), dtype=torch.float32, device=k.device)
         o_scratch = torch.empty_like(v)
-        compiled = compile_gdn_sm90(k.dtype, beta.dtype, False, False, False, GDN_SOLVE, kda, mode="summary")
-        g32 = g.float()
+        compiled = compile_gdn_sm90(k.dtype, beta.dtype, False, False, False, kda, mode="summary")
+        g32 = g.float().contiguous()
         # q is not read for summaries (no outputs): k stands in for it.
-        compiled.fn(k.view(B * T, H, K), k.view(B * T, H, K), v.view(B * T, H, V), g32.view((B * T, H) + g.shape[3:]),
-                    beta.view(B * T, H), o_scratch.view(B * T, H, V), summary, summary,
+        compiled.fn(k, k, v, g32, beta, o_scratch, summary, summary,
                     sched.table_on(k.device), sched.num_tiles, sched.grid[0], 1.0)
         return summary[B:], summary[:B]
     raise ValueError(f"backend must be 'reference' or 'cute', got {backend!r}")

@@ -53,8 +53,8 @@ class KernelEmulator:
 def emulated(monkeypatch):
     calls = []
 
-    def fake_compile(io_dtype, beta_dtype, has_initial_state, store_final_state, persistent=False, solve=None,
-                     kda=False, mode="forward", skip=None, dump_dir=None):
+    def fake_compile(io_dtype, beta_dtype, has_initial_state, store_final_state, persistent=False, kda=False,
+                     mode="forward", skip=None, dump_dir=None):
         calls.append(mode)
         return KernelEmulator(has_initial_state, store_final_state, kda, mode)
 

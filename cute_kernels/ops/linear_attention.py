@@ -183,7 +183,7 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     init = initial_state is not None
     # A sequence of zero tokens still has a tile (zero chunks): it copies its start state to its final state.
     if summary_schedule is None:
-        compiled = compile_gdn_sm90(q.dtype, beta.dtype, init, store_final, schedule.persistent, GDN_SOLVE, kda)
+        compiled = compile_gdn_sm90(q.dtype, beta.dtype, init, store_final, schedule.persistent, kda)
         compiled.fn(*args, initial_state if init else dummy, dummy,
                     schedule.table_on(device), schedule.num_tiles, schedule.grid[0], scale)
         return o, final if output_final_state else None
@@ -193,34 +193,30 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
 
     slots = schedule.segmentation.total_segments
     summary = torch.empty((2 * slots, H, K, V), dtype=torch.float32, device=device)
-    compiled = compile_gdn_sm90(q.dtype, beta.dtype, False, False, False, GDN_SOLVE, kda, mode="summary")
+    compiled = compile_gdn_sm90(q.dtype, beta.dtype, False, False, False, kda, mode="summary")
     compiled.fn(*args, summary, summary, summary_schedule.table_on(device), summary_schedule.num_tiles,
                 summary_schedule.grid[0], scale)
     merge_out = None if final is None else (torch.empty((slots, H, K, V), dtype=torch.float32, device=device), final)
     starts, final_m = affine_merge(summary[slots:], summary[:slots], schedule.seg_offsets, initial_state,
                                    out=merge_out)
-    compiled = compile_gdn_sm90(q.dtype, beta.dtype, True, False, False, GDN_SOLVE, kda, mode="segment_outputs")
+    compiled = compile_gdn_sm90(q.dtype, beta.dtype, True, False, False, kda, mode="segment_outputs")
     compiled.fn(*args, starts, dummy, schedule.table_on(device), schedule.num_tiles, schedule.num_tiles, scale)
     return o, final_m if output_final_state else None
 
 
-# The in-chunk triangular solve of the SM90 kernel: "blocked" (16 x 16 blocks). The serial solve of version 1
-# (one column per thread) spilled and was removed after the H200 measurements (NOTES.md).
-GDN_SOLVE = "blocked"
 # Stages left out of the kernel, for timing by subtraction only (scripts/gdn_profile.py); results are wrong.
 GDN_SKIP: tuple = ()
 
 
 def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial_state: bool,
-                     store_final_state: bool, persistent: bool = False, solve: str | None = None,
-                     kda: bool = False, mode: str = "forward", skip: tuple | None = None, dump_dir=None):
+                     store_final_state: bool, persistent: bool = False, kda: bool = False, mode: str = "forward",
+                     skip: tuple | None = None, dump_dir=None):
     """Compile the SM90 gated-delta-rule forward (GDN, or KDA with `kda`) for one configuration (no GPU needed)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
 
-    solve = solve or GDN_SOLVE
     skip = tuple(sorted(GDN_SKIP if skip is None else skip))
-    key = ("gdn_fwd_sm90", str(io_dtype), str(beta_dtype), has_initial_state, store_final_state, persistent, solve,
-           kda, mode, skip)
+    key = ("gdn_fwd_sm90", str(io_dtype), str(beta_dtype), has_initial_state, store_final_state, persistent, kda,
+           mode, skip)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -231,7 +227,7 @@ def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial
         from ..kernels.sm90.gdn_fwd import ChunkGatedDeltaRuleFwdSm90
 
         io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
-        kernel = ChunkGatedDeltaRuleFwdSm90(io, bt, has_initial_state, store_final_state, persistent, solve=solve,
+        kernel = ChunkGatedDeltaRuleFwdSm90(io, bt, has_initial_state, store_final_state, persistent,
                                             kda=kda, mode=mode, skip=skip)
         args = (
             fake_tensor(io, (DYN, DYN, DYN, 128)),

@@ -86,8 +86,8 @@ class ChunkGatedDeltaRuleFwdSm90:
     """
 
     def __init__(self, io_dtype, beta_dtype, has_initial_state: bool, store_final_state: bool,
-                 persistent: bool = False, k_dim: int = 128, v_dim: int = 128, solve: str = "blocked",
-                 kda: bool = False, mode: str = "forward", skip: tuple = ()):
+                 persistent: bool = False, k_dim: int = 128, v_dim: int = 128, kda: bool = False,
+                 mode: str = "forward", skip: tuple = ()):
         if k_dim != 128 or v_dim != 128:
             raise ValueError(f"ChunkGatedDeltaRuleFwdSm90 supports K = V = 128, got K={k_dim}, V={v_dim}")
         self.io_dtype = io_dtype
@@ -97,11 +97,8 @@ class ChunkGatedDeltaRuleFwdSm90:
         self.persistent = persistent
         self.k_dim = k_dim
         self.v_dim = v_dim
-        if solve != "blocked":
-            raise ValueError(f"solve must be 'blocked', got {solve!r}")
         if mode not in ("forward", "summary", "segment_outputs"):
             raise ValueError(f"mode must be 'forward', 'summary' or 'segment_outputs', got {mode!r}")
-        self.solve = solve
         self.kda = kda
         self.mode = mode
         # Profiling by subtraction only: stages left out (results are wrong), see scripts/gdn_profile.py.

@@ -26,8 +26,8 @@ fn = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
 chunks_per_cta = T // 64
 waves = -(-B * H // torch.cuda.get_device_properties(0).multi_processor_count)
 full = None
-for skip in [(), ("gates",), ("intra",), ("gating",), ("solve",), ("wu",), ("vnew",), ("out",), ("state",),
-             ("gates", "intra", "gating", "solve", "wu", "vnew", "out", "state")]:
+stages = ["gates", "intra"] + (["gating"] if kda else []) + ["solve", "wu", "vnew", "out", "state"]  # GDN: no gating pass
+for skip in [()] + [(s,) for s in stages] + [tuple(stages)]:
     la.GDN_SKIP = skip
     run = lambda: fn(q, k, v, g, beta, output_final_state=True)
     run()

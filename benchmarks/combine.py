@@ -48,9 +48,11 @@ def main(argv=None) -> int:
         starts = grids.group_starts(grids.get_grid(meta["grid"]))
     except Exception:
         starts = ()
-    print(report.format_report(rows, op=meta["op"], grid=meta["grid"], device=meta["device"],
-                               sm_count=meta.get("sm_count"), group_starts=starts))
-    print(f"\nwrote {out}")
+    text = report.format_report(rows, op=meta["op"], grid=meta["grid"], device=meta["device"],
+                                sm_count=meta.get("sm_count"), group_starts=starts)
+    print(text)
+    out.with_suffix(".txt").write_text(text + "\n")
+    print(f"\nwrote {out} (and .png, .txt beside it)")
     return 0
 
 

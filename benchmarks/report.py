@@ -208,7 +208,7 @@ def format_report(
             ))
         parts.append(format_table(rows, peer_graph_us, f"peer_graph_us  ({peer}, CUDA-graph replay)", **kw))
     if any(segments(r) is not None for r in rows):
-        parts.append(format_table(rows, segments, "segments per sequence chosen by ours (plan_segments)", **kw))
+        parts.append(format_table(rows, segments, "segments per sequence chosen by ours (its plan)", **kw))
     return "\n\n".join(parts)
 
 

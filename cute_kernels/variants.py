@@ -36,11 +36,13 @@ def _variants() -> list[Variant]:
     from .ops.merge import compile_affine_merge, compile_lse_merge
 
     out = []
-    for k, v, init, staged in [(128, 128, True, False), (128, 128, False, False), (64, 64, True, False),
-                               (128, 128, True, True), (64, 64, False, True)]:
+    for k, v, init, impl in [(128, 128, True, "simt"), (128, 128, False, "simt"), (64, 64, True, "simt"),
+                             (128, 128, True, "staged"), (64, 64, False, "staged"),
+                             (128, 128, True, "prefetch"), (128, 128, False, "prefetch"), (64, 64, False, "prefetch")]:
+        staged = impl != "simt"
         out.append(Variant(
-            "affine_merge", f"affine_merge_k{k}_v{v}{'_init' if init else ''}{'_staged' if staged else ''}",
-            lambda d, k=k, v=v, init=init, staged=staged: compile_affine_merge(k, v, init, staged, dump_dir=d),
+            "affine_merge", f"affine_merge_k{k}_v{v}{'_init' if init else ''}{'' if impl == 'simt' else '_' + impl}",
+            lambda d, k=k, v=v, init=init, impl=impl: compile_affine_merge(k, v, init, impl, dump_dir=d),
             # 16-byte global loads: ld.global.v4.b32 (sm_90a) or ld.global.v2.b64 (sm_100a, staged copy)
             ptx_must_have=("fma.rn.f32", "bar.sync") + (("ld.shared.v4",) if staged else ("ld.global.v4",)),
             ptx_must_have_sm90=("ld.global.v4",),

@@ -5,7 +5,7 @@ Host half (pure Python): `Problem` -> `SequenceScheduler` / `SegmentScheduler` /
 Device half (CuTe DSL, imported lazily): `schedulers.device.TileScheduler`.
 """
 
-from .heuristics import SegmentPlan, plan_segments
+from .heuristics import SegmentCost, SegmentPlan, plan_segments, plan_segments_by_cost, segmented_cost_us
 from .host import PersistentScheduler, Schedule, SegmentScheduler, SequenceScheduler, schedule_from_segmentation
 from .problem import NUM_TILE_FIELDS, TILE_FIELDS, Problem, Segmentation, WorkTile, ceil_div, split_even
 
@@ -14,6 +14,7 @@ __all__ = [
     "PersistentScheduler",
     "Problem",
     "Schedule",
+    "SegmentCost",
     "SegmentPlan",
     "SegmentScheduler",
     "Segmentation",
@@ -22,6 +23,8 @@ __all__ = [
     "WorkTile",
     "ceil_div",
     "plan_segments",
+    "plan_segments_by_cost",
+    "segmented_cost_us",
     "schedule_from_segmentation",
     "split_even",
 ]

@@ -159,3 +159,99 @@ def plan_segments(
         f"with the longest segments; sequences under {2 * min_chunks} chunks stay whole"
     )
     return done(segments)
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    """A kernel's measured costs, for `plan_segments_by_cost` (numbers from a GPU, passed in; never read here).
+
+    chunk_us: one CTA's time per chunk (its tile takes chunks x chunk_us, one tile per CTA slot at a time).
+    link_us: the merge's time per segment along one sequence (the serial chain of the affine merge).
+    summary_blocks: tiles per segment in the summary launch (2 for the linear-attention path: h_ext and M).
+    launch_us: the fixed cost of each extra launch of the segmented path (summary, merge).
+    """
+
+    chunk_us: float
+    link_us: float
+    summary_blocks: int = 2
+    launch_us: float = 4.0
+
+
+def _makespan(lengths: list[int], slots: int) -> int:
+    """Chunks until the last of `lengths` (chunk counts, in launch order) ends on `slots` CTA slots (greedy)."""
+    if len(lengths) <= slots:
+        return max(lengths, default=0)
+    loads = [0] * slots
+    for n in lengths:
+        heapq.heapreplace(loads, loads[0] + n)
+    return max(loads)
+
+
+def segmented_cost_us(problem: Problem, segmentation: Segmentation, cost: SegmentCost, slots: int) -> float:
+    """Predicted GPU time of the forward with `segmentation` (one launch if unsplit, else summary + merge +
+    outputs), in microseconds, from `cost` and `slots` CTA slots."""
+    per_seq = problem.num_heads * problem.num_blocks
+    seg_lens = [[b[i + 1] - b[i] for i in range(len(b) - 1)] for b in segmentation.bounds]
+    outputs = [n for lens in seg_lens for n in lens for _ in range(per_seq)]
+    t = _makespan(outputs, slots) * cost.chunk_us
+    if all(len(lens) <= 1 for lens in seg_lens):
+        return t
+    summary = [n for lens in seg_lens for n in lens for _ in range(per_seq * cost.summary_blocks)]
+    t += _makespan(summary, slots) * cost.chunk_us
+    t += max(len(lens) for lens in seg_lens) * cost.link_us + 2 * cost.launch_us
+    return t
+
+
+def plan_segments_by_cost(
+    problem: Problem,
+    sm_count: int,
+    cost: SegmentCost,
+    ctas_per_sm: int = 1,
+    min_chunks: int = 2,
+    max_segments: int | None = None,
+) -> SegmentPlan:
+    """Pick segment counts that minimize `segmented_cost_us` (the unsplit launch included as a candidate).
+
+    Fixed-length batches try every N from 1 to the cap (chunks / min_chunks); varlen batches add segments one at a
+    time to the sequence with the longest segments and keep the cheapest point on that path. The reasons list the
+    predicted times of the unsplit launch and of the choice.
+    """
+    if sm_count < 1 or ctas_per_sm < 1 or min_chunks < 1:
+        raise ValueError("sm_count, ctas_per_sm and min_chunks must be >= 1")
+    chunks = list(problem.chunks)
+    slots = sm_count * ctas_per_sm
+    base_tiles = problem.num_seqs * problem.num_heads * problem.num_blocks
+
+    def cap(c: int) -> int:
+        n = max(1, c // min_chunks)
+        return min(n, max_segments) if max_segments else n
+
+    def seg_of(segments: list[int]) -> Segmentation:
+        return Segmentation([split_even(c, s) for c, s in zip(chunks, segments)])
+
+    ones = [1] * problem.num_seqs
+    best = ones
+    best_t = base_t = segmented_cost_us(problem, seg_of(ones), cost, slots)
+    if problem.is_uniform and chunks:
+        for n in range(2, cap(chunks[0]) + 1):
+            t = segmented_cost_us(problem, seg_of([n] * problem.num_seqs), cost, slots)
+            if t < best_t * 0.999:  # ties go to fewer segments
+                best, best_t = [n] * problem.num_seqs, t
+    else:
+        segments = list(ones)
+        heap = [(-c, n) for n, c in enumerate(chunks) if cap(c) > 1]
+        heapq.heapify(heap)
+        while heap:
+            _, n = heapq.heappop(heap)
+            segments[n] += 1
+            t = segmented_cost_us(problem, seg_of(segments), cost, slots)
+            if t < best_t * 0.999:
+                best, best_t = list(segments), t
+            if segments[n] < cap(chunks[n]):
+                heapq.heappush(heap, (-ceil_div(chunks[n], segments[n]), n))
+    reasons = [
+        f"cost model: {cost.chunk_us:g} us per chunk per CTA, {cost.link_us:g} us per merge link, "
+        f"{slots} CTA slots",
+        f"predicted: unsplit {base_t:.0f} us; chosen (max {max(best)} segments) {best_t:.0f} us",
+    ]
+    return SegmentPlan(best, seg_of(best), base_tiles, sm_count, ctas_per_sm, slots, min_chunks, reasons)

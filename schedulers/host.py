@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .heuristics import SegmentPlan, plan_segments
+from .heuristics import SegmentCost, SegmentPlan, plan_segments, plan_segments_by_cost
 from .problem import TILE_FIELDS, Problem, Segmentation, WorkTile, split_even
 
 
@@ -93,25 +93,36 @@ class SequenceScheduler:
 class SegmentScheduler:
     """Each (sequence, head, block) cut along T into segments on chunk boundaries; one CTA per segment.
 
-    `num_segments=None` lets `plan_segments` decide per call (needs `sm_count`); an int forces that many
-    per sequence (fewer for sequences with fewer chunks; never an empty segment).
+    `num_segments=None` lets `plan_segments` decide per call (needs `sm_count`), or `plan_segments_by_cost`
+    when a `cost` (a kernel's measured `SegmentCost`) is given; an int forces that many per sequence (fewer for
+    sequences with fewer chunks; never an empty segment).
     """
 
     name = "segment"
 
-    def __init__(self, num_segments: int | None = None, min_chunks: int = 4, max_segments: int | None = None):
+    def __init__(self, num_segments: int | None = None, min_chunks: int = 4, max_segments: int | None = None,
+                 cost: SegmentCost | None = None):
         if num_segments is not None and num_segments < 1:
             raise ValueError(f"num_segments must be >= 1, got {num_segments}")
         self.num_segments = num_segments
         self.min_chunks = min_chunks
         self.max_segments = max_segments
+        self.cost = cost
+
+    def __repr__(self) -> str:
+        return (f"SegmentScheduler(num_segments={self.num_segments}, min_chunks={self.min_chunks}, "
+                f"max_segments={self.max_segments}, cost={self.cost})")
 
     def segmentation(self, problem: Problem, sm_count: int | None, ctas_per_sm: int):
         if self.num_segments is not None:
             return Segmentation([split_even(c, self.num_segments) for c in problem.chunks]), None
         if sm_count is None:
             raise ValueError("SegmentScheduler(num_segments=None) needs sm_count to plan the split")
-        plan = plan_segments(problem, sm_count, ctas_per_sm, self.min_chunks, self.max_segments)
+        if self.cost is not None:
+            plan = plan_segments_by_cost(problem, sm_count, self.cost, ctas_per_sm, self.min_chunks,
+                                         self.max_segments)
+        else:
+            plan = plan_segments(problem, sm_count, ctas_per_sm, self.min_chunks, self.max_segments)
         return plan.segmentation, plan
 
     def schedule(self, problem: Problem, sm_count: int | None = None, ctas_per_sm: int = 2) -> Schedule:

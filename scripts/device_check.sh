@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, check and time on the GPU machine in one call (see README "Running on the H200").
 # Usage (from the repo root, after `source .wheelhouse/b/install.sh`):
-#   bash scripts/device_check.sh [tests] [gpu-tests] [gdn-tests] [merge-tests] [gdn-smoke] [gdn-profile] [kda-profile]
+#   bash scripts/device_check.sh [tests] [gpu-tests] [gdn-tests] [seg-tests] [merge-tests] [gdn-smoke] [gdn-profile] [kda-profile]
 #                                [merge-time] [bench-OP-GRID] ...
 #   e.g. BENCH_ARGS=--graph bash scripts/device_check.sh gdn-smoke gdn-tests bench-gdn-large
 # Logs and JSON go to $OUT (or ./device_out), so they come back with the call.
@@ -26,6 +26,9 @@ for stage in $stages; do
       status=$((status | ${PIPESTATUS[0]})) ;;
     gdn-tests)
       timeout -s INT -k 20 $t python3 -m pytest tests/test_gdn_sm90.py tests/test_segmented.py -q -p no:cacheprovider 2>&1 | tee "$out/gdn_tests.log" | tail -25
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    seg-tests)
+      timeout -s INT -k 20 $t python3 -m pytest tests/test_segmented.py -q -p no:cacheprovider 2>&1 | tee "$out/seg_tests.log" | tail -5
       status=$((status | ${PIPESTATUS[0]})) ;;
     merge-tests)
       timeout -s INT -k 20 $t python3 -m pytest tests/test_merge.py -q -p no:cacheprovider 2>&1 | tee "$out/merge_tests.log" | tail -5

@@ -110,16 +110,29 @@ def test_forward_orchestration(emulated, kda, segments, varlen):
 
 
 def test_auto_segments(emulated, monkeypatch):
-    """scheduler=None with AUTO_SEGMENTS: small B x H and long T get segments (plan visible in last_plan())."""
+    """scheduler=None with AUTO_SEGMENTS: the cost model's segment count (plan visible in last_plan()); a call
+    whose split would not pay runs the single forward launch."""
+    from schedulers import Problem, SegmentCost, plan_segments_by_cost
+
     monkeypatch.setattr(la, "AUTO_SEGMENTS", True)
+    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "staged")
     gen = torch.Generator().manual_seed(1)
     q, k, v, g, beta = inputs(1, 1024, 2, False, gen)
     o, s = la.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True)
+    plan = plan_segments_by_cost(Problem.fixed(1, 1024, 2), 132,
+                                 SegmentCost(la.CHUNK_US[False], la.MERGE_LINK_US["staged"]), min_chunks=2)
+    n = plan.segments[0]
+    assert n > 1
     assert emulated == ["summary", "segment_outputs"]
-    assert "segments per sequence: 4" in la.last_plan()  # 16 chunks / min_chunks 4
+    assert f"segments per sequence: {n} (all 1)" in la.last_plan()
     assert ((s.double() - want_s).norm() / want_s.norm()).item() < 1e-5
     assert ((o.double() - want_o).norm() / want_o.norm()).item() < 1e-2
+    # 4 chunks: two 2-chunk segments cost a summary launch, a merge link and two launches more than they save.
+    emulated.clear()
+    q, k, v, g, beta = inputs(1, 256, 2, False, gen)
+    la.chunk_gated_delta_rule(q, k, v, g, beta)
+    assert emulated == ["forward"]
 
 
 def test_no_final_state_and_out_checks(emulated):

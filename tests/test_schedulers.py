@@ -7,6 +7,7 @@ from schedulers import (
     PersistentScheduler,
     Problem,
     SegmentScheduler,
+    Segmentation,
     SequenceScheduler,
     plan_segments,
     split_even,
@@ -166,3 +167,51 @@ def test_table_layout():
     table = sched.table()
     assert table.shape == (sched.num_tiles, 10) and str(table.dtype) == "torch.int32"
     assert table[0].tolist() == list(sched.tiles[0].as_row())
+
+
+# ----------------------------------------------------------------------------- cost-model planning
+
+def test_segmented_cost_by_hand():
+    from schedulers import SegmentCost, segmented_cost_us
+
+    cost = SegmentCost(chunk_us=9.5, link_us=2.0, summary_blocks=2, launch_us=4.0)
+    p = Problem.fixed(1, 16 * 64, 4)
+    # Unsplit: 4 tiles of 16 chunks.
+    assert segmented_cost_us(p, Segmentation([split_even(16, 1)]), cost, 132) == 16 * 9.5
+    # 4 segments: outputs 16 tiles x 4 chunks, summaries 32 tiles x 4 chunks (one wave each), 4 links, 2 launches.
+    assert segmented_cost_us(p, Segmentation([split_even(16, 4)]), cost, 132) == 4 * 9.5 * 2 + 4 * 2.0 + 8.0
+    # More tiles than slots: 3 tiles of 5 chunks on 2 slots take 10 chunks.
+    assert segmented_cost_us(Problem.fixed(3, 5 * 64, 1), Segmentation([split_even(5, 1)] * 3), cost, 2) == 10 * 9.5
+
+
+@pytest.mark.parametrize("B,H,T", [(1, 4, 8192), (2, 8, 4096), (1, 16, 16384), (4, 16, 1024), (16, 64, 4096)])
+def test_plan_by_cost_is_the_cheapest_candidate(B, H, T):
+    from schedulers import SegmentCost, plan_segments_by_cost, segmented_cost_us
+
+    cost = SegmentCost(chunk_us=25.5, link_us=7.6)
+    p = Problem.fixed(B, T, H)
+    plan = plan_segments_by_cost(p, 132, cost, min_chunks=2)
+    n = plan.segments[0]
+    assert plan.segments == [n] * B
+    costs = {m: segmented_cost_us(p, Segmentation([split_even(T // 64, m)] * B), cost, 132)
+             for m in range(1, T // 64 // 2 + 1)}
+    assert costs[n] <= min(costs.values()) / 0.999
+    if B * H >= 132:  # the tiles fill the GPU: a split only adds work
+        assert n == 1
+    if B * H <= 8 and T >= 4096:
+        assert n >= 8
+    assert "predicted: unsplit" in plan.explain()
+
+
+def test_plan_by_cost_varlen():
+    from schedulers import SegmentCost, plan_segments_by_cost, segmented_cost_us
+
+    cost = SegmentCost(chunk_us=9.5, link_us=2.0)
+    p = Problem.varlen([0, 100, 5000, 5100, 20000], 4)
+    plan = plan_segments_by_cost(p, 132, cost, min_chunks=2)
+    chunks = list(p.chunks)
+    assert all(1 <= s <= max(1, c // 2) for s, c in zip(plan.segments, chunks))
+    assert plan.segments[3] > plan.segments[1] > 1  # the longest sequence gets the most segments
+    assert plan.segments[0] == plan.segments[2] == 1  # 2-chunk sequences stay whole
+    unsplit = segmented_cost_us(p, Segmentation([split_even(c, 1) for c in chunks]), cost, 132)
+    assert segmented_cost_us(p, plan.segmentation, cost, 132) < unsplit / 3

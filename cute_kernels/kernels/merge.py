@@ -16,6 +16,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from .merge_config import AFFINE_MERGE_CONFIG, affine_merge_fits
+
 
 class AffineMerge:
     """Start state of every segment and the final state, from per-segment summaries.
@@ -27,28 +29,34 @@ class AffineMerge:
     seg_offsets [N + 1] int32, initial_state [N, H, K, V] (read only if `has_initial_state`),
     start_states [slots, H, K, V], final_state [N, H, K, V].
 
-    One CTA per (V tile, head, sequence), no warp specialization, no pipelines. The running state tile
-    (K x block_v) lives in shared memory; each thread owns `K * block_v / threads` outputs (one column, a run of
-    rows) and accumulates them in registers.
-    - `staged=False` (128 threads, 16 columns): M rows are read straight from global memory with 16-byte loads.
-      Verified on the H200; latency-bound, ~23 us per segment (every thread re-reads its M rows from L2).
-    - `staged=True` (256 threads, 32 columns): each segment's M is first copied into shared memory with
-      coalesced 16-byte loads (64 KB for K = 128), then read from there (a warp shares its rows: broadcast).
+    One CTA per (V tile, head, sequence), no warp specialization. The running state tile (K x block_v) lives in
+    shared memory; each thread owns `K * block_v / threads` outputs (one column, a run of rows) and accumulates
+    them in registers, in the same order in every variant (k ascending, four at a time).
+    - `impl="simt"` (128 threads, 16 columns): M rows are read straight from global memory with 16-byte loads.
+      ~23 us per segment on the H200 (every thread re-reads its M rows from L2; load latency per k-step).
+    - `impl="staged"` (256 threads, 32 columns): each segment's M is first copied into shared memory with
+      coalesced 16-byte loads, then read from there (a warp's threads share rows: broadcast). 7.6 us per segment.
+    - `impl="prefetch"` (256 threads, 8 columns): as staged, but M[s + 1] and h_ext[s + 1] are loaded into
+      registers while segment s is computed (the chain depends only on the running state, not on M), so the
+      serial critical path per segment is an smem store, two barriers and K * 8 * K / 256 FMA per thread;
+      four times as many CTAs per (sequence, head) as staged.
     """
 
-    def __init__(self, k_dim: int, v_dim: int, has_initial_state: bool, staged: bool = False):
-        self.staged = staged
-        self.num_threads = 256 if staged else 128
-        block_v = 32 if staged else 16
-        if k_dim % 4 or v_dim % block_v:
-            raise ValueError(f"AffineMerge needs K % 4 == 0 and V % {block_v} == 0, got K={k_dim}, V={v_dim}")
-        if (k_dim * block_v) % self.num_threads or self.num_threads % block_v or (k_dim * k_dim // 4) % self.num_threads:
-            raise ValueError(f"AffineMerge: K * {block_v} and K * K / 4 must be multiples of {self.num_threads}")
+    def __init__(self, k_dim: int, v_dim: int, has_initial_state: bool, impl: str = "simt"):
+        if impl not in AFFINE_MERGE_CONFIG:
+            raise ValueError(f"AffineMerge impl must be one of {sorted(AFFINE_MERGE_CONFIG)}, got {impl!r}")
+        self.impl = impl
+        self.staged = impl != "simt"
+        self.num_threads, block_v = AFFINE_MERGE_CONFIG[impl]
+        if not affine_merge_fits(impl, k_dim, v_dim):
+            raise ValueError(f"AffineMerge[{impl}] needs K % 4 == 0, V % {block_v} == 0 and K * K / 4 a multiple of "
+                             f"{self.num_threads}, got K={k_dim}, V={v_dim}")
         self.k_dim = k_dim
         self.v_dim = v_dim
         self.block_v = block_v
         self.has_initial_state = has_initial_state
         self.rows_per_thread = k_dim * block_v // self.num_threads
+        self.m_vecs = k_dim * k_dim // 4 // self.num_threads  # 16-byte pieces of M per thread (staged copy)
 
     @cute.jit
     def __call__(
@@ -80,6 +88,7 @@ class AffineMerge:
         final_state: cute.Tensor,
     ):
         K, BV, RPT = self.k_dim, self.block_v, self.rows_per_thread
+        prefetch = self.impl == "prefetch"
         tid, _, _ = cute.arch.thread_idx()
         vt, head, seq = cute.arch.block_idx()
         col = tid % BV
@@ -90,6 +99,9 @@ class AffineMerge:
         s_tile = smem.allocate_tensor(Float32, cute.make_layout((K, BV), stride=(BV, 1)), 16)
         s_m = smem.allocate_tensor(Float32, cute.make_layout((K, K) if self.staged else (1, 4), stride=(K, 1)), 16)
         acc = cute.make_rmem_tensor((RPT,), Float32)
+        # prefetch: the next segment's M pieces and h_ext values, in registers.
+        m_next = cute.make_rmem_tensor((4 * self.m_vecs if prefetch else 4,), Float32)
+        h_next = cute.make_rmem_tensor((RPT,), Float32)
 
         # Running state <- initial state (or zero).
         for i in cutlass.range_constexpr(RPT):
@@ -97,11 +109,29 @@ class AffineMerge:
                 s_tile[row0 + i, col] = initial_state[seq, head, row0 + i, v]
             else:
                 s_tile[row0 + i, col] = Float32(0.0)
+        first = seg_offsets[seq]
+        last = seg_offsets[seq + 1]
+        if cutlass.const_expr(prefetch):
+            if first < last:
+                self.load_m_h(m, h_ext, first, head, tid, row0, v, m_next, h_next)
         cute.arch.sync_threads()
 
-        for slot in cutlass.range(seg_offsets[seq], seg_offsets[seq + 1]):
-            if cutlass.const_expr(self.staged):
-                for i in cutlass.range_constexpr(K * K // 4 // self.num_threads):
+        for slot in cutlass.range(first, last):
+            if cutlass.const_expr(prefetch):
+                # Registers -> smem for this segment, then start the loads of the next one (the last segment
+                # reloads itself: harmless, and no branch).
+                for i in cutlass.range_constexpr(self.m_vecs):
+                    f = tid + self.num_threads * i
+                    cute.autovec_copy(cute.local_tile(m_next, (4,), (i,)),
+                                      cute.local_tile(s_m[f // (K // 4), None], (4,), (f % (K // 4),)))
+                for i in cutlass.range_constexpr(RPT):
+                    acc[i] = h_next[i]
+                nxt = slot + 1
+                if nxt >= last:
+                    nxt = slot
+                self.load_m_h(m, h_ext, nxt, head, tid, row0, v, m_next, h_next)
+            elif cutlass.const_expr(self.staged):
+                for i in cutlass.range_constexpr(self.m_vecs):
                     f = tid + self.num_threads * i
                     r = f // (K // 4)
                     c4 = f % (K // 4)
@@ -109,7 +139,8 @@ class AffineMerge:
                                       cute.local_tile(s_m[r, None], (4,), (c4,)))
             for i in cutlass.range_constexpr(RPT):
                 start_states[slot, head, row0 + i, v] = s_tile[row0 + i, col]
-                acc[i] = h_ext[slot, head, row0 + i, v]
+                if cutlass.const_expr(not prefetch):
+                    acc[i] = h_ext[slot, head, row0 + i, v]
             if cutlass.const_expr(self.staged):
                 cute.arch.sync_threads()
             for k4 in cutlass.range(K // 4, unroll=2):
@@ -132,6 +163,18 @@ class AffineMerge:
 
         for i in cutlass.range_constexpr(RPT):
             final_state[seq, head, row0 + i, v] = s_tile[row0 + i, col]
+
+    @cute.jit
+    def load_m_h(self, m: cute.Tensor, h_ext: cute.Tensor, slot, head, tid, row0, v,
+                 m_next: cute.Tensor, h_next: cute.Tensor):
+        """Segment `slot`'s M (coalesced 16-byte pieces, the staged-copy layout) and this thread's h_ext values."""
+        K = self.k_dim
+        for i in cutlass.range_constexpr(self.m_vecs):
+            f = tid + self.num_threads * i
+            cute.autovec_copy(cute.local_tile(m[slot, head, f // (K // 4), None], (4,), (f % (K // 4),)),
+                              cute.local_tile(m_next, (4,), (i,)))
+        for i in cutlass.range_constexpr(self.rows_per_thread):
+            h_next[i] = h_ext[slot, head, row0 + i, v]
 
 
 class LseMerge:

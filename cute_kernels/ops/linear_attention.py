@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from . import merge as _merge
 from .checks import check_cuda, check_shape, check_tensor
 
 IO_DTYPES = (torch.bfloat16, torch.float16)
@@ -72,18 +73,40 @@ def _sm_count(device) -> int:
     return _sm_counts[idx]
 
 
-# scheduler=None: with AUTO_SEGMENTS, SegmentScheduler() (plan_segments picks N per call: 1 when the tiles fill
-# the GPU); without, SequenceScheduler(). Off until the segmented path has run on a GPU (issue 5).
-AUTO_SEGMENTS = False
+# scheduler=None: with AUTO_SEGMENTS, a SegmentScheduler whose segment count per call minimizes the predicted
+# time of the segmented path (`plan_segments_by_cost` with the costs below; N = 1 whenever splitting does not pay,
+# which is every call whose tiles fill the GPU); without, SequenceScheduler(). Env CUTE_KERNELS_AUTO_SEGMENTS=0/1.
+AUTO_SEGMENTS = os.environ.get("CUTE_KERNELS_AUTO_SEGMENTS", "0") == "1"
+# Measured on the H200 (NOTES.md, 2026-12-02): one CTA's time per chunk of the SM90 kernel (GDN, KDA; K = V = 128)
+# and the affine merge's time per segment along a sequence, per merge variant.
+CHUNK_US = {False: 9.5, True: 25.5}
+MERGE_LINK_US = {"simt": 23.8, "staged": 7.6, "prefetch": 2.0}
 
 
-def _schedule(scheduler, B, T, H, cu_seqlens, device):
+def auto_scheduler(kda: bool):
+    """The scheduler `scheduler=None` stands for (see AUTO_SEGMENTS)."""
+    from schedulers import SegmentCost, SegmentScheduler, SequenceScheduler
+
+    if not AUTO_SEGMENTS:
+        return SequenceScheduler()
+    key = (kda, _merge.AFFINE_MERGE_IMPL)
+    sched = _auto_schedulers.get(key)
+    if sched is None:
+        cost = SegmentCost(chunk_us=CHUNK_US[kda], link_us=MERGE_LINK_US[_merge.AFFINE_MERGE_IMPL])
+        sched = _auto_schedulers[key] = SegmentScheduler(min_chunks=2, cost=cost)
+    return sched
+
+
+_auto_schedulers: dict = {}
+
+
+def _schedule(scheduler, B, T, H, cu_seqlens, device, kda: bool = False):
     """The work tiles of this call (host side; cached per (scheduler, shape) by the Schedule's table)."""
-    from schedulers import Problem, SegmentScheduler, SequenceScheduler
+    from schedulers import Problem
 
     problem = Problem.varlen(cu_seqlens, H) if cu_seqlens is not None else Problem.fixed(B, T, H)
     if scheduler is None:
-        scheduler = SegmentScheduler() if AUTO_SEGMENTS else SequenceScheduler()
+        scheduler = auto_scheduler(kda)
     schedule = scheduler.schedule(problem, sm_count=_sm_count(device), ctas_per_sm=1)
     if schedule.segmentation.total_segments == problem.num_seqs:
         return schedule, None
@@ -150,10 +173,10 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         q = torch.nn.functional.normalize(q.float(), dim=-1).to(q.dtype)
         k = torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype)
     scale = float(scale) if scale is not None else K ** -0.5
-    key = (scheduler, B, T, H, cu, str(device))
+    key = (scheduler, B, T, H, cu, str(device), kda, AUTO_SEGMENTS, _merge.AFFINE_MERGE_IMPL)
     cached = _schedule_cache.get(key)
     if cached is None:
-        cached = _schedule(scheduler, B, T, H, cu, device)
+        cached = _schedule(scheduler, B, T, H, cu, device, kda)
         if len(_schedule_cache) > 256:
             _schedule_cache.clear()
         _schedule_cache[key] = cached

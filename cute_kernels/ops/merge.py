@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
+from ..kernels.merge_config import affine_merge_fits
 from .checks import check_cuda, check_shape, check_tensor, offsets_tensor
 
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -28,11 +31,14 @@ def _outputs(out, *specs):
 # "staged" (M staged in shared memory, 256 threads, 32 columns per CTA) or "simt" (M rows straight from global
 # memory). Both pass tests/test_merge.py on the H200; measured there 2026-12-02 (scripts/time_merges.py):
 # 32 segments x 4 heads 243 us staged vs 762 us simt (7.6 vs 23.8 us per segment on the serial chain).
-AFFINE_MERGE_IMPL = "staged"
+AFFINE_MERGE_IMPL = os.environ.get("CUTE_KERNELS_AFFINE_MERGE", "staged")
+AFFINE_MERGE_IMPLS = ("simt", "staged", "prefetch")
 
 
-def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, staged: bool | None = None, dump_dir=None):
-    staged = (AFFINE_MERGE_IMPL == "staged") if staged is None else staged
+def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, impl: str | None = None, dump_dir=None):
+    impl = AFFINE_MERGE_IMPL if impl is None else impl
+    if impl not in AFFINE_MERGE_IMPLS:
+        raise ValueError(f"affine merge impl must be one of {AFFINE_MERGE_IMPLS}, got {impl!r}")
 
     def build():
         from ..runtime.arch import import_cutlass
@@ -50,9 +56,9 @@ def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, staged
             fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
             fake_stream(),
         )
-        return AffineMerge(k_dim, v_dim, has_initial_state, staged), args
+        return AffineMerge(k_dim, v_dim, has_initial_state, impl), args
 
-    return compile_kernel(("affine_merge", k_dim, v_dim, has_initial_state, staged), build, dump_dir=dump_dir)
+    return compile_kernel(("affine_merge", k_dim, v_dim, has_initial_state, impl), build, dump_dir=dump_dir)
 
 
 def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None):
@@ -71,11 +77,13 @@ def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None):
         raise ValueError(f"M must be [slots, H, K, K], got shape {tuple(M.shape)}")
     V = h_ext.shape[-1]
     check_shape("h_ext", h_ext, (slots, H, K, V))
-    staged = AFFINE_MERGE_IMPL == "staged"
-    bv = 32 if staged else 16
-    if K % 8 or V % bv or K > 128:
-        raise ValueError(f"affine_merge supports K a multiple of 8 up to 128 and V a multiple of {bv}, got K={K}, V={V}")
     device = check_cuda(M=M, h_ext=h_ext, initial_state=initial_state)
+    # The default variant where it fits these sizes, else the first that does.
+    fits = [i for i in (AFFINE_MERGE_IMPL,) + AFFINE_MERGE_IMPLS if affine_merge_fits(i, K, V)]
+    if K > 128 or not fits:
+        raise ValueError(f"affine_merge supports K in (32, 64, 96, 128) and V a multiple of 8, got K={K}, "
+                         f"V={V}")
+    impl = fits[0]
     offsets, N = offsets_tensor("seg_offsets", seg_offsets, slots, device)
     if initial_state is not None:
         check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4)
@@ -85,7 +93,7 @@ def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None):
     )
     if N == 0 or H == 0:
         return start_states, final_state
-    compiled = compile_affine_merge(K, V, initial_state is not None, staged)
+    compiled = compile_affine_merge(K, V, initial_state is not None, impl)
     init = initial_state if initial_state is not None else final_state  # not read without initial state
     compiled.fn(M, h_ext, offsets, init, start_states, final_state)
     return start_states, final_state

@@ -7,6 +7,7 @@ import torch
 from conftest import poisoned, rel_err, requires_gpu
 
 import cute_kernels as ck
+import cute_kernels.ops.merge as merge_ops
 from cute_kernels import reference as ref
 from schedulers import Problem, SegmentScheduler
 
@@ -151,3 +152,19 @@ def test_lse_merge_schedule_layout():
     o, lse = ck.lse_merge(o_p, lse_p, sched.seg_offsets, out_dtype=torch.float32)
     assert rel_err(o, torch.stack(want_o)) <= 1e-5
     assert rel_err(lse, torch.stack(want_lse)) <= 1e-5
+
+
+def test_merge_variant_choice(monkeypatch):
+    """'auto' takes prefetch while its grid (V/8 x heads x sequences) fits one CTA per SM, else staged; a variant
+    that does not fit the sizes falls back to one that does; unsupported sizes name K and V."""
+    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "auto")
+    assert merge_ops.merge_impl_for(1, 4, 128, 128, 132) == "prefetch"      # 64 CTAs
+    assert merge_ops.merge_impl_for(4, 16, 128, 128, 132) == "staged"       # 1024 CTAs
+    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "staged")
+    assert merge_ops.merge_impl_for(1, 1, 128, 16, 132) == "simt"           # V = 16 has no 32-column tile
+    assert merge_ops.merge_impl_for(1, 1, 64, 8, 132) == "prefetch"
+    with pytest.raises(ValueError, match="K=48"):
+        merge_ops.merge_impl_for(1, 1, 48, 128, 132)
+    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "fast")
+    with pytest.raises(ValueError, match="CUTE_KERNELS_AFFINE_MERGE"):
+        merge_ops.merge_impl_for(1, 1, 128, 128, 132)

@@ -11,7 +11,7 @@ from test_gdn_sm90 import make_inputs
 
 import cute_kernels as ck
 from cute_kernels import reference as ref
-from schedulers import SegmentScheduler
+from schedulers import SegmentScheduler, SequenceScheduler
 
 requires_sm90 = pytest.mark.skipif(gpu_arch() != "sm_90a", reason="needs an SM90 (Hopper) GPU")
 
@@ -26,7 +26,8 @@ def errors(B, T, H, N, with_init, kda, cu=None, seed=0):
     op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
                                                    cu_seqlens=cut)
-    plain_o, plain_s = op(q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cut)
+    plain_o, plain_s = op(q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cut,
+                          scheduler=SequenceScheduler())
     sched = SegmentScheduler(num_segments=N, min_chunks=1)
     runs = []
     for _ in range(2):
@@ -56,3 +57,26 @@ def test_segmented_varlen(kda):
     cu = [0, 1, 65, 65, 1000, 1063, 6000]
     (eo, po), (es, ps) = errors(1, cu[-1], 2, 8, True, kda, cu=cu, seed=3)
     assert eo <= max(2 * po, 1e-3) and es <= max(2 * ps, 1e-3), (eo, po, es, ps)
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True])
+def test_auto_segments_default_path(kda, monkeypatch):
+    """scheduler=None with AUTO_SEGMENTS on (the cost model picks N): B=1 H=4 T=4096 splits, stays within 5e-3
+    of float64, and reruns bitwise identical. Run this before turning AUTO_SEGMENTS on by default."""
+    from cute_kernels.ops import linear_attention as la
+
+    monkeypatch.setattr(la, "AUTO_SEGMENTS", True)
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, g, beta = make_inputs(1, 4096, 4, gen, dev, kda=kda)
+    op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True)
+    runs = []
+    for _ in range(2):
+        out = (poisoned((1, 4096, 4, 128), q.dtype, dev), poisoned((1, 4, 128, 128), torch.float32, dev))
+        runs.append(op(q, k, v, g, beta, output_final_state=True, out=out))
+    assert "segments per sequence: 1 " not in ck.last_plan() and "segments per sequence" in ck.last_plan()
+    (o, s), (o2, s2) = runs
+    assert torch.equal(o, o2) and torch.equal(s, s2)
+    assert rel_err(o, want_o) <= 5e-3 and rel_err(s, want_s) <= 5e-3

@@ -63,36 +63,35 @@ def validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda: bool, scal
 
 
 _CHECK_GATES = os.environ.get("CUTE_KERNELS_CHECK_GATES", "0") == "1"
-_sm_counts: dict = {}
-
-
 def _sm_count(device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _sm_counts:
-        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _sm_counts[idx]
+    return _merge.sm_count(device)
 
 
 # scheduler=None: with AUTO_SEGMENTS, a SegmentScheduler whose segment count per call minimizes the predicted
 # time of the segmented path (`plan_segments_by_cost` with the costs below; N = 1 whenever splitting does not pay,
 # which is every call whose tiles fill the GPU); without, SequenceScheduler(). Env CUTE_KERNELS_AUTO_SEGMENTS=0/1.
+# Off by default until the whole GPU suite has run with it on (the segmented path itself passed
+# tests/test_segmented.py on the H200, 2026-12-02).
 AUTO_SEGMENTS = os.environ.get("CUTE_KERNELS_AUTO_SEGMENTS", "0") == "1"
 # Measured on the H200 (NOTES.md, 2026-12-02): one CTA's time per chunk of the SM90 kernel (GDN, KDA; K = V = 128)
-# and the affine merge's time per segment along a sequence, per merge variant.
+# and the affine merge's time per segment along a sequence, per merge variant. With these the model predicted the
+# segmented GDN at B=1 H=4 within 5% (T=1024/4096/8192: 77/146/247 us predicted, 81/146/249 us measured).
 CHUNK_US = {False: 9.5, True: 25.5}
-MERGE_LINK_US = {"simt": 23.8, "staged": 7.6, "prefetch": 2.0}
+MERGE_LINK_US = {"simt": 23.8, "staged": 7.6, "prefetch": 3.9}
 
 
-def auto_scheduler(kda: bool):
-    """The scheduler `scheduler=None` stands for (see AUTO_SEGMENTS)."""
+def auto_scheduler(kda: bool, num_seqs: int = 1, num_heads: int = 1, sms: int = 132):
+    """The scheduler `scheduler=None` stands for (see AUTO_SEGMENTS); the merge variant, and so the link cost,
+    depends on the number of (sequence, head) pairs."""
     from schedulers import SegmentCost, SegmentScheduler, SequenceScheduler
 
     if not AUTO_SEGMENTS:
         return SequenceScheduler()
-    key = (kda, _merge.AFFINE_MERGE_IMPL)
+    impl = _merge.merge_impl_for(num_seqs, num_heads, 128, 128, sms)
+    key = (kda, impl)
     sched = _auto_schedulers.get(key)
     if sched is None:
-        cost = SegmentCost(chunk_us=CHUNK_US[kda], link_us=MERGE_LINK_US[_merge.AFFINE_MERGE_IMPL])
+        cost = SegmentCost(chunk_us=CHUNK_US[kda], link_us=MERGE_LINK_US[impl])
         sched = _auto_schedulers[key] = SegmentScheduler(min_chunks=2, cost=cost)
     return sched
 
@@ -105,9 +104,10 @@ def _schedule(scheduler, B, T, H, cu_seqlens, device, kda: bool = False):
     from schedulers import Problem
 
     problem = Problem.varlen(cu_seqlens, H) if cu_seqlens is not None else Problem.fixed(B, T, H)
+    sms = _sm_count(device)
     if scheduler is None:
-        scheduler = auto_scheduler(kda)
-    schedule = scheduler.schedule(problem, sm_count=_sm_count(device), ctas_per_sm=1)
+        scheduler = auto_scheduler(kda, problem.num_seqs, H, sms)
+    schedule = scheduler.schedule(problem, sm_count=sms, ctas_per_sm=1)
     if schedule.segmentation.total_segments == problem.num_seqs:
         return schedule, None
     # Segmented: a summary launch with two column blocks per tile (h_ext, M) over the same segmentation.

@@ -28,15 +28,40 @@ def _outputs(out, *specs):
     return tuple(out)
 
 
-# "staged" (M staged in shared memory, 256 threads, 32 columns per CTA) or "simt" (M rows straight from global
-# memory). Both pass tests/test_merge.py on the H200; measured there 2026-12-02 (scripts/time_merges.py):
-# 32 segments x 4 heads 243 us staged vs 762 us simt (7.6 vs 23.8 us per segment on the serial chain).
-AFFINE_MERGE_IMPL = os.environ.get("CUTE_KERNELS_AFFINE_MERGE", "staged")
+# Variants (cute_kernels/kernels/merge.py), measured on the H200 2026-12-02 (scripts/time_merges.py), us per
+# segment along the serial chain: simt 23.8, staged 7.6, prefetch 3.9 (32 segments x 4 heads x 1 sequence).
+# prefetch runs 4x the CTAs of staged and each reads all of M: with many (sequence, head) pairs it loses
+# (4 x 8 segments x 16 heads: 254 us vs 111 staged). "auto" (the default): prefetch while its grid fits one
+# CTA per SM, else staged. Env CUTE_KERNELS_AFFINE_MERGE forces one.
+AFFINE_MERGE_IMPL = os.environ.get("CUTE_KERNELS_AFFINE_MERGE", "auto")
 AFFINE_MERGE_IMPLS = ("simt", "staged", "prefetch")
+_sm_counts: dict = {}
+
+
+def sm_count(device) -> int:
+    """The device's SM count (queried once per device)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_counts:
+        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_counts[idx]
+
+
+def merge_impl_for(num_seqs: int, num_heads: int, k_dim: int, v_dim: int, sms: int) -> str:
+    """The affine-merge variant a call of these sizes runs on a GPU of `sms` SMs (AFFINE_MERGE_IMPL, resolved)."""
+    impl = AFFINE_MERGE_IMPL
+    if impl == "auto":
+        impl = "prefetch" if (v_dim // 8) * num_heads * num_seqs <= sms else "staged"
+    elif impl not in AFFINE_MERGE_IMPLS:
+        raise ValueError(f"CUTE_KERNELS_AFFINE_MERGE must be 'auto' or one of {AFFINE_MERGE_IMPLS}, got {impl!r}")
+    fits = [i for i in (impl,) + AFFINE_MERGE_IMPLS if affine_merge_fits(i, k_dim, v_dim)]
+    if k_dim > 128 or not fits:
+        raise ValueError(f"affine_merge supports K in (32, 64, 96, 128) and V a multiple of 8, got K={k_dim}, "
+                         f"V={v_dim}")
+    return fits[0]
 
 
 def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, impl: str | None = None, dump_dir=None):
-    impl = AFFINE_MERGE_IMPL if impl is None else impl
+    impl = merge_impl_for(1, 1, k_dim, v_dim, 1) if impl is None else impl
     if impl not in AFFINE_MERGE_IMPLS:
         raise ValueError(f"affine merge impl must be one of {AFFINE_MERGE_IMPLS}, got {impl!r}")
 
@@ -78,13 +103,8 @@ def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None):
     V = h_ext.shape[-1]
     check_shape("h_ext", h_ext, (slots, H, K, V))
     device = check_cuda(M=M, h_ext=h_ext, initial_state=initial_state)
-    # The default variant where it fits these sizes, else the first that does.
-    fits = [i for i in (AFFINE_MERGE_IMPL,) + AFFINE_MERGE_IMPLS if affine_merge_fits(i, K, V)]
-    if K > 128 or not fits:
-        raise ValueError(f"affine_merge supports K in (32, 64, 96, 128) and V a multiple of 8, got K={K}, "
-                         f"V={V}")
-    impl = fits[0]
     offsets, N = offsets_tensor("seg_offsets", seg_offsets, slots, device)
+    impl = merge_impl_for(N, H, K, V, sm_count(device))
     if initial_state is not None:
         check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4)
         check_shape("initial_state", initial_state, (N, H, K, V))

@@ -38,14 +38,17 @@ def _variants() -> list[Variant]:
     out = []
     for k, v, init, impl in [(128, 128, True, "simt"), (128, 128, False, "simt"), (64, 64, True, "simt"),
                              (128, 128, True, "staged"), (64, 64, False, "staged"),
-                             (128, 128, True, "prefetch"), (128, 128, False, "prefetch"), (64, 64, False, "prefetch")]:
+                             (128, 128, True, "prefetch"), (128, 128, False, "prefetch"), (64, 64, False, "prefetch"),
+                             (128, 128, True, "ring"), (128, 128, False, "ring"), (64, 64, False, "ring")]:
         staged = impl != "simt"
         out.append(Variant(
             "affine_merge", f"affine_merge_k{k}_v{v}{'_init' if init else ''}{'' if impl == 'simt' else '_' + impl}",
             lambda d, k=k, v=v, init=init, impl=impl: compile_affine_merge(k, v, init, impl, dump_dir=d),
-            # 16-byte global loads: ld.global.v4.b32 (sm_90a) or ld.global.v2.b64 (sm_100a, staged copy)
-            ptx_must_have=("fma.rn.f32", "bar.sync") + (("ld.shared.v4",) if staged else ("ld.global.v4",)),
-            ptx_must_have_sm90=("ld.global.v4",),
+            # 16-byte global loads: ld.global.v4.b32 (sm_90a) or ld.global.v2.b64 (sm_100a, staged copy); the ring
+            # streams M by 16-byte cp.async instead
+            ptx_must_have=("fma.rn.f32", "bar.sync") + (("ld.shared.v4",) if staged else ("ld.global.v4",))
+            + (("cp.async.ca.shared.global", "cp.async.wait_group") if impl == "ring" else ()),
+            ptx_must_have_sm90=() if impl == "ring" else ("ld.global.v4",),
         ))
     for dim, dt in [(128, torch.bfloat16), (128, torch.float16), (128, torch.float32), (64, torch.bfloat16)]:
         tag = str(dt).replace("torch.", "")

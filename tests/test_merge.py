@@ -60,7 +60,7 @@ def test_lse_merge_bad_input():
 @requires_gpu
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 64), (128, 64)])
 @pytest.mark.parametrize("with_init", [True, False])
-@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch"])
+@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring"])
 def test_affine_merge_matches_reference(K, V, with_init, impl, monkeypatch):
     import cute_kernels.ops.merge as merge_ops
 
@@ -86,7 +86,7 @@ def test_affine_merge_matches_reference(K, V, with_init, impl, monkeypatch):
 
 
 @requires_gpu
-@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch"])
+@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring"])
 def test_affine_merge_long_chain(impl, monkeypatch):
     import cute_kernels.ops.merge as merge_ops
 

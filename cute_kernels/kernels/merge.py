@@ -14,6 +14,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
 from cutlass import Float32, Int32
 
 from .merge_config import AFFINE_MERGE_CONFIG, affine_merge_fits
@@ -40,6 +41,9 @@ class AffineMerge:
       registers while segment s is computed (the chain depends only on the running state, not on M), so the
       serial critical path per segment is an smem store, two barriers and K * 8 * K / 256 FMA per thread;
       four times as many CTAs per (sequence, head) as staged.
+    - `impl="ring"` (256 threads, 8 columns, `ring_kernel`): M[s] and h_ext[s] stream into a 3-stage shared-memory
+      ring by cp.async, issued two segments ahead (commit/wait groups, no mbarriers), so the load latency is
+      off the serial chain: per segment one group wait, three CTA barriers and the K x 8 x K products.
     """
 
     def __init__(self, k_dim: int, v_dim: int, has_initial_state: bool, impl: str = "simt"):
@@ -56,6 +60,7 @@ class AffineMerge:
         self.block_v = block_v
         self.has_initial_state = has_initial_state
         self.rows_per_thread = k_dim * block_v // self.num_threads
+        self.ring_stages = 3
         self.m_vecs = k_dim * k_dim // 4 // self.num_threads  # 16-byte pieces of M per thread (staged copy)
 
     @cute.jit
@@ -71,7 +76,8 @@ class AffineMerge:
     ):
         num_seqs = final_state.shape[0]
         num_heads = final_state.shape[1]
-        self.kernel(m, h_ext, seg_offsets, initial_state, start_states, final_state).launch(
+        kernel = self.ring_kernel if cutlass.const_expr(self.impl == "ring") else self.kernel
+        kernel(m, h_ext, seg_offsets, initial_state, start_states, final_state).launch(
             grid=[self.v_dim // self.block_v, num_heads, num_seqs],
             block=[self.num_threads, 1, 1],
             stream=stream,
@@ -163,6 +169,96 @@ class AffineMerge:
 
         for i in cutlass.range_constexpr(RPT):
             final_state[seq, head, row0 + i, v] = s_tile[row0 + i, col]
+
+    @cute.kernel
+    def ring_kernel(
+        self,
+        m: cute.Tensor,
+        h_ext: cute.Tensor,
+        seg_offsets: cute.Tensor,
+        initial_state: cute.Tensor,
+        start_states: cute.Tensor,
+        final_state: cute.Tensor,
+    ):
+        K, BV, RPT, STAGES = self.k_dim, self.block_v, self.rows_per_thread, self.ring_stages
+        tid, _, _ = cute.arch.thread_idx()
+        vt, head, seq = cute.arch.block_idx()
+        col = tid % BV
+        row0 = (tid // BV) * RPT
+        v = vt * BV + col
+
+        smem = cutlass.memory.SmemAllocator()
+        s_tile = smem.allocate_tensor(Float32, cute.make_layout((K, BV), stride=(BV, 1)), 16)
+        s_m = smem.allocate_tensor(Float32, cute.make_layout((STAGES, K, K), stride=(K * K, K, 1)), 128)
+        s_h = smem.allocate_tensor(Float32, cute.make_layout((STAGES, K, BV), stride=(K * BV, BV, 1)), 16)
+        copy16 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
+        copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+        acc = cute.make_rmem_tensor((RPT,), Float32)
+
+        for i in cutlass.range_constexpr(RPT):
+            if cutlass.const_expr(self.has_initial_state):
+                s_tile[row0 + i, col] = initial_state[seq, head, row0 + i, v]
+            else:
+                s_tile[row0 + i, col] = Float32(0.0)
+        first = seg_offsets[seq]
+        last = seg_offsets[seq + 1]
+        # Prologue: segments first .. first + STAGES - 2 into stages 0 .. STAGES - 2, one commit group each (past the
+        # sequence's last segment a group reloads the last one: every iteration then waits on the same count).
+        if first < last:
+            for p in cutlass.range_constexpr(STAGES - 1):
+                src = first + p
+                if src >= last:
+                    src = last - 1
+                self.ring_issue(copy16, copy4, m, h_ext, s_m, s_h, src, p, head, tid, row0, col, v)
+                cute.arch.cp_async_commit_group()
+        cute.arch.sync_threads()
+
+        for slot in cutlass.range(first, last):
+            i = slot - first
+            stage = i % STAGES
+            cute.arch.cp_async_wait_group(STAGES - 2)  # this segment's group has landed (this thread's pieces)
+            cute.arch.sync_threads()                    # ... and everyone's
+            # Refill the stage consumed last iteration with segment slot + STAGES - 1.
+            src = slot + STAGES - 1
+            if src >= last:
+                src = last - 1
+            self.ring_issue(copy16, copy4, m, h_ext, s_m, s_h, src, (i + STAGES - 1) % STAGES, head, tid, row0,
+                            col, v)
+            cute.arch.cp_async_commit_group()
+            for r in cutlass.range_constexpr(RPT):
+                start_states[slot, head, row0 + r, v] = s_tile[row0 + r, col]
+                acc[r] = s_h[stage, row0 + r, col]
+            for k4 in cutlass.range(K // 4, unroll=2):
+                s0 = s_tile[4 * k4 + 0, col]
+                s1 = s_tile[4 * k4 + 1, col]
+                s2 = s_tile[4 * k4 + 2, col]
+                s3 = s_tile[4 * k4 + 3, col]
+                for r in cutlass.range_constexpr(RPT):
+                    m4 = cute.make_rmem_tensor((4,), Float32)
+                    cute.autovec_copy(cute.local_tile(s_m[stage, row0 + r, None], (4,), (k4,)), m4)
+                    acc[r] = acc[r] + m4[0] * s0 + m4[1] * s1 + m4[2] * s2 + m4[3] * s3
+            cute.arch.sync_threads()
+            for r in cutlass.range_constexpr(RPT):
+                s_tile[row0 + r, col] = acc[r]
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        for r in cutlass.range_constexpr(RPT):
+            final_state[seq, head, row0 + r, v] = s_tile[row0 + r, col]
+
+    @cute.jit
+    def ring_issue(self, copy16, copy4, m: cute.Tensor, h_ext: cute.Tensor, s_m: cute.Tensor, s_h: cute.Tensor,
+                   slot, stage, head, tid, row0, col, v):
+        """cp.async of segment `slot`'s M (coalesced 16-byte pieces) and this thread's h_ext values into `stage`."""
+        K = self.k_dim
+        for i in cutlass.range_constexpr(self.m_vecs):
+            f = tid + self.num_threads * i
+            r = f // (K // 4)
+            c4 = f % (K // 4)
+            cute.copy(copy16, cute.local_tile(m[slot, head, r, None], (4,), (c4,)),
+                      cute.local_tile(s_m[stage, r, None], (4,), (c4,)))
+        for r in cutlass.range_constexpr(self.rows_per_thread):
+            cute.copy(copy4, cute.local_tile(h_ext[slot, head, row0 + r, None], (1,), (v,)),
+                      cute.local_tile(s_h[stage, row0 + r, None], (1,), (col,)))
 
     @cute.jit
     def load_m_h(self, m: cute.Tensor, h_ext: cute.Tensor, slot, head, tid, row0, v,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # impl -> (threads per CTA, V columns per CTA)
-AFFINE_MERGE_CONFIG = {"simt": (128, 16), "staged": (256, 32), "prefetch": (256, 8)}
+AFFINE_MERGE_CONFIG = {"simt": (128, 16), "staged": (256, 32), "prefetch": (256, 8), "ring": (256, 8)}
 
 
 def affine_merge_fits(impl: str, k_dim: int, v_dim: int) -> bool:

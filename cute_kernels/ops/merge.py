@@ -32,9 +32,10 @@ def _outputs(out, *specs):
 # segment along the serial chain: simt 23.8, staged 7.6, prefetch 3.9 (32 segments x 4 heads x 1 sequence).
 # prefetch runs 4x the CTAs of staged and each reads all of M: with many (sequence, head) pairs it loses
 # (4 x 8 segments x 16 heads: 254 us vs 111 staged). "auto" (the default): prefetch while its grid fits one
-# CTA per SM, else staged. Env CUTE_KERNELS_AFFINE_MERGE forces one.
+# CTA per SM, else staged. Env CUTE_KERNELS_AFFINE_MERGE forces one. "ring" (a 3-stage cp.async ring, loads two
+# segments ahead) compiles and is not yet run on a GPU; it is meant to replace prefetch in "auto" once measured.
 AFFINE_MERGE_IMPL = os.environ.get("CUTE_KERNELS_AFFINE_MERGE", "auto")
-AFFINE_MERGE_IMPLS = ("simt", "staged", "prefetch")
+AFFINE_MERGE_IMPLS = ("simt", "staged", "prefetch", "ring")
 _sm_counts: dict = {}
 
 

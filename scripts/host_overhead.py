@@ -1,0 +1,68 @@
+"""Where the eager time of a small call goes (issue 5: eager wall time per call at T <= 256 under 40 us).
+
+Times, per call, averaged over back-to-back calls with one synchronize at the end (host clock):
+  op      the whole `cute_kernels.chunk_gated_delta_rule` / `chunk_kda` call
+  checks  `validate_inputs` alone
+  alloc   the output allocation (`torch.empty_like(v)` + the final state)
+  launch  the compiled kernel called directly with prepared arguments (TVM-FFI + the CUDA launch)
+  gpu     GPU time of one call (do_bench median) -- when op > gpu, the call is host-bound
+"""
+
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton.testing as tt
+
+import cute_kernels as ck
+from cute_kernels.ops import linear_attention as la
+
+REPS = 2000
+
+
+def per_call_us(fn, reps=REPS):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps * 1e6
+
+
+def inputs(B, T, H, kda, dev="cuda"):
+    q = F.normalize(torch.randn(B, T, H, 128, device=dev), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, 128, device=dev), dim=-1).bfloat16()
+    v = torch.randn(B, T, H, 128, device=dev).bfloat16()
+    g = F.logsigmoid(torch.randn((B, T, H, 128) if kda else (B, T, H), device=dev)).clamp(min=-5.0)
+    beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).bfloat16()
+    return q, k, v, g, beta
+
+
+def main():
+    for kda in (False, True):
+        op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
+        for B, H, T, final in [(1, 4, 64, False), (1, 4, 256, False), (1, 4, 256, True), (4, 16, 256, False)]:
+            q, k, v, g, beta = inputs(B, T, H, kda)
+            call = lambda: op(q, k, v, g, beta, output_final_state=final)  # noqa: E731
+            t_op = per_call_us(call)
+            t_chk = per_call_us(lambda: la.validate_inputs(q, k, v, g, beta, None, None, kda, None))
+            t_alloc = per_call_us(lambda: (torch.empty_like(v),
+                                           torch.empty((B, H, 128, 128), dtype=torch.float32, device="cuda")))
+            schedule, _ = la._schedule_cache[next(key for key in la._schedule_cache if key[1:4] == (B, T, H))]
+            compiled = la.compile_gdn_sm90(q.dtype, beta.dtype, False, final, schedule.persistent, kda)
+            o = torch.empty_like(v)
+            dummy = torch.empty((B, H, 128, 128), dtype=torch.float32, device="cuda")
+            table = schedule.table_on(q.device)
+            args = (q, k, v, g, beta, o, dummy, dummy, table, schedule.num_tiles, schedule.grid[0], 128 ** -0.5)
+            t_launch = per_call_us(lambda: compiled.fn(*args))
+            t_gpu = tt.do_bench(call, warmup=10, rep=50, return_mode="median") * 1e3
+            print(f"{'kda' if kda else 'gdn'} B={B} H={H} T={T} final={final}: op {t_op:.1f} us | checks "
+                  f"{t_chk:.1f} | alloc {t_alloc:.1f} | launch {t_launch:.1f} | gpu {t_gpu:.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

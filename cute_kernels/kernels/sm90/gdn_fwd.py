@@ -87,7 +87,7 @@ class ChunkGatedDeltaRuleFwdSm90:
 
     def __init__(self, io_dtype, beta_dtype, has_initial_state: bool, store_final_state: bool,
                  persistent: bool = False, k_dim: int = 128, v_dim: int = 128, kda: bool = False,
-                 mode: str = "forward", skip: tuple = ()):
+                 mode: str = "forward", skip: tuple = (), vec_elementwise: bool = False):
         if k_dim != 128 or v_dim != 128:
             raise ValueError(f"ChunkGatedDeltaRuleFwdSm90 supports K = V = 128, got K={k_dim}, V={v_dim}")
         self.io_dtype = io_dtype
@@ -106,6 +106,9 @@ class ChunkGatedDeltaRuleFwdSm90:
         if unknown:
             raise ValueError(f"unknown stages to skip: {sorted(unknown)}")
         self.skip = tuple(sorted(skip))
+        # KDA: the per-element passes (gating, the anchored factors of `kda_block`) in 16-byte vectors of 8
+        # channels through a 256-thread tiled copy, instead of one 2-byte element per thread and step.
+        self.vec_elementwise = vec_elementwise
         # KDA keeps the per-channel cumulative decay G [64 x 128] fp32 in smem (32 KB): one q/k/v stage then fits.
         self.num_stages = 1 if kda else NUM_STAGES
         self.num_threads = 384
@@ -388,7 +391,11 @@ class ChunkGatedDeltaRuleFwdSm90:
                         self.kda_intra(j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sNegW, sGk, sBeta, sFlag,
                                        st)
                     if cutlass.const_expr("gating" not in self.skip):
-                        self.kda_gating(ctid, L, stage, sQ, sK, sKb_mn, sGk, sGL)
+                        if cutlass.const_expr(self.vec_elementwise):
+                            self.kda_gating_vec(ctid, L, stage, sQ, sK, self.view(st.sKb, C, 128)[None, None, 0],
+                                                sGk, sGL)
+                        else:
+                            self.kda_gating(ctid, L, stage, sQ, sK, sKb_mn, sGk, sGL)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier(barrier_id=1, number_of_threads=256)
                     if cutlass.const_expr(outputs and "out" not in self.skip):
@@ -610,6 +617,99 @@ class ChunkGatedDeltaRuleFwdSm90:
             sK[r, col, stage] = io(kv * egl)
             sQ[r, col, stage] = io(Float32(sQ[r, col, stage]) * eg)
 
+    def vec_copy(self):
+        """A 256-thread tiled copy of 16-bit [rows x 128] tiles in 16-byte vectors: thread t moves channels
+        8 (t % 16) .. 8 (t % 16) + 7 of rows t // 16, t // 16 + 16, ... (one row per vector)."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.io_dtype, num_bits_per_copy=128)
+        return cute.make_tiled_copy_tv(atom, cute.make_layout((16, 16), stride=(16, 1)), cute.make_layout((1, 8)))
+
+    @cute.jit
+    def load_g8(self, sGk, r, d0, dst):
+        """dst[0:8] = sGk[r, d0 : d0 + 8] (fp32, one 32-byte run of a row-major [64 x 128] tile)."""
+        cute.autovec_copy(cute.local_tile(sGk[r, None], (8,), (cute.assume(d0, divby=8) // 8,)), dst)
+
+    @cute.jit
+    def kda_gating_vec(self, ctid, L, stage, sQ, sK, sKb, sGk, sGL):
+        """`kda_gating` in 16-byte vectors: q <- q 2^G, k <- k 2^(G_L - G) (0 past the end), kb = k 2^G (sKb is
+        the K-major (token, channel) view of the kb buffer: the same bytes as its MN-major view)."""
+        io = self.io_dtype
+        tiled = self.vec_copy()
+        thr = tiled.get_slice(ctid)
+        tQ = thr.partition_S(sQ[None, None, stage])
+        tK = thr.partition_S(sK[None, None, stage])
+        tKb = thr.partition_D(sKb)
+        crd = thr.partition_S(cute.make_identity_tensor((C, 128)))
+        for m in cutlass.range(cute.size(tQ, mode=[1]), unroll=1):
+            r, d0 = crd[0, m, 0]
+            gl8 = cute.make_rmem_tensor((8,), Float32)
+            cute.autovec_copy(cute.local_tile(sGL, (8,), (cute.assume(d0, divby=8) // 8,)), gl8)
+            q8 = cute.make_rmem_tensor_like(tQ[None, m, None])
+            k8 = cute.make_rmem_tensor_like(tK[None, m, None])
+            cute.copy(tiled, tQ[None, m, None], q8)
+            cute.copy(tiled, tK[None, m, None], k8)
+            g8 = cute.make_rmem_tensor((8,), Float32)
+            self.load_g8(sGk, r, d0, g8)
+            kb8 = cute.make_rmem_tensor_like(k8)
+            for e in cutlass.range_constexpr(8):
+                eg = cute.math.exp2(g8[e], fastmath=True)
+                egl = cutlass.select_(r < L, cute.math.exp2(gl8[e] - g8[e], fastmath=True), Float32(0.0))
+                kv = Float32(k8[e])
+                kb8[e] = io(kv * eg)
+                k8[e] = io(kv * egl)
+                q8[e] = io(Float32(q8[e]) * eg)
+            cute.copy(tiled, kb8, tKb[None, m, None])
+            cute.copy(tiled, k8, tK[None, m, None])
+            cute.copy(tiled, q8, tQ[None, m, None])
+
+    @cute.jit
+    def kda_factors_vec(self, ctid, stage, qb: int, anchor, lo, sQ, sK, sL, sLq, sR, sGk):
+        """The anchored factors of `kda_block` in 16-byte vectors: rows r >= lo of sL = k 2^(G_r - G_a) (and
+        sLq = q 2^(G_r - G_a)); sR[i] = k[16 qb + i] 2^(G_a - G[16 qb + i])."""
+        io = self.io_dtype
+        outputs = self.mode != "summary"
+        tiled = self.vec_copy()
+        thr = tiled.get_slice(ctid)
+        tQ = thr.partition_S(sQ[None, None, stage])
+        tK = thr.partition_S(sK[None, None, stage])
+        tL = thr.partition_D(sL)
+        tLq = thr.partition_D(sLq)
+        crd = thr.partition_S(cute.make_identity_tensor((C, 128)))
+        for m in cutlass.range(cute.size(tK, mode=[1]), unroll=1):
+            r, d0 = crd[0, m, 0]
+            if r >= lo:
+                g8 = cute.make_rmem_tensor((8,), Float32)
+                ga8 = cute.make_rmem_tensor((8,), Float32)
+                self.load_g8(sGk, r, d0, g8)
+                self.load_g8(sGk, anchor, d0, ga8)
+                f8 = cute.make_rmem_tensor((8,), Float32)
+                for e in cutlass.range_constexpr(8):
+                    f8[e] = cute.math.exp2(g8[e] - ga8[e], fastmath=True)
+                k8 = cute.make_rmem_tensor_like(tK[None, m, None])
+                cute.copy(tiled, tK[None, m, None], k8)
+                for e in cutlass.range_constexpr(8):
+                    k8[e] = io(Float32(k8[e]) * f8[e])
+                cute.copy(tiled, k8, tL[None, m, None])
+                if cutlass.const_expr(outputs):  # Aqk only feeds the outputs
+                    q8 = cute.make_rmem_tensor_like(tQ[None, m, None])
+                    cute.copy(tiled, tQ[None, m, None], q8)
+                    for e in cutlass.range_constexpr(8):
+                        q8[e] = io(Float32(q8[e]) * f8[e])
+                    cute.copy(tiled, q8, tLq[None, m, None])
+        # sR: the 16 rows of column block qb, one vector per thread.
+        tKr = thr.partition_S(cute.local_tile(sK[None, None, stage], (16, 128), (qb, 0)))
+        tR = thr.partition_D(sR)
+        crd_r = thr.partition_S(cute.make_identity_tensor((16, 128)))
+        i, d0 = crd_r[0, 0, 0]
+        g8 = cute.make_rmem_tensor((8,), Float32)
+        ga8 = cute.make_rmem_tensor((8,), Float32)
+        self.load_g8(sGk, 16 * qb + i, d0, g8)
+        self.load_g8(sGk, anchor, d0, ga8)
+        k8 = cute.make_rmem_tensor_like(tKr[None, 0, None])
+        cute.copy(tiled, tKr[None, 0, None], k8)
+        for e in cutlass.range_constexpr(8):
+            k8[e] = io(Float32(k8[e]) * cute.math.exp2(ga8[e] - g8[e], fastmath=True))
+        cute.copy(tiled, k8, tR[None, 0, None])
+
     @cute.jit
     def kda_intra(self, j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sL, sGk, sBeta, sFlag, st):
         """KDA Akk (fp32, beta on rows) and Aqk (bf16, scaled) without overflow.
@@ -672,18 +772,21 @@ class ChunkGatedDeltaRuleFwdSm90:
         thr16 = self.make_mma(False, False, 16).get_slice(wtid)
         cc16 = thr16.partition_C(cute.make_identity_tensor((C, 16)))
         acc16 = cute.make_rmem_tensor(thr16.partition_shape_C((C, 16)), Float32)
-        for e in cutlass.range(ctid + 128 * lo, C * 128, 256, unroll=4):
-            r = e // 128
-            d = e % 128
-            f = cute.math.exp2(sGk[r, d] - sGk[anchor, d], fastmath=True)
-            sL[r, d] = io(Float32(sK[r, d, stage]) * f)
-            if cutlass.const_expr(outputs):  # Aqk only feeds the outputs
-                sLq[r, d] = io(Float32(sQ[r, d, stage]) * f)
-        for e in cutlass.range(ctid, 16 * 128, 256, unroll=4):
-            i = e // 128
-            d = e % 128
-            f = cute.math.exp2(sGk[anchor, d] - sGk[16 * qb + i, d], fastmath=True)
-            sR[i, d] = io(Float32(sK[16 * qb + i, d, stage]) * f)
+        if cutlass.const_expr(self.vec_elementwise):
+            self.kda_factors_vec(ctid, stage, qb, anchor, lo, sQ, sK, sL, sLq, sR, sGk)
+        else:
+            for e in cutlass.range(ctid + 128 * lo, C * 128, 256, unroll=4):
+                r = e // 128
+                d = e % 128
+                f = cute.math.exp2(sGk[r, d] - sGk[anchor, d], fastmath=True)
+                sL[r, d] = io(Float32(sK[r, d, stage]) * f)
+                if cutlass.const_expr(outputs):  # Aqk only feeds the outputs
+                    sLq[r, d] = io(Float32(sQ[r, d, stage]) * f)
+            for e in cutlass.range(ctid, 16 * 128, 256, unroll=4):
+                i = e // 128
+                d = e % 128
+                f = cute.math.exp2(sGk[anchor, d] - sGk[16 * qb + i, d], fastmath=True)
+                sR[i, d] = io(Float32(sK[16 * qb + i, d, stage]) * f)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
         # Every element of the 64 x 16 column block is written (zeros outside the kept rows), so the fast path

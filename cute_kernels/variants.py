@@ -78,10 +78,12 @@ def _variants() -> list[Variant]:
         ptx_must_have=("wgmma.mma_async.sync.aligned.m64n16k16", "cp.async.bulk.tensor", "setmaxnreg.inc"),
         archs=("sm_90a",),
     ))
-    out.append(Variant(   # KDA's per-element passes in 16-byte vectors (KDA_VEC)
-        "chunk_kda", "kda_fwd_sm90_bfloat16_vec",
-        lambda d: compile_gdn_sm90(torch.bfloat16, torch.bfloat16, False, True, kda=True, dump_dir=d, vec=True),
-        ptx_must_have=("wgmma.mma_async.sync.aligned.m64n16k16", "st.shared.v4", "ld.shared.v4"),
+    out.append(Variant(   # KDA's per-element passes in 16-byte vectors (KDA_VEC), gates prefetched (KDA_PREFETCH)
+        "chunk_kda", "kda_fwd_sm90_bfloat16_vec_prefetch",
+        lambda d: compile_gdn_sm90(torch.bfloat16, torch.bfloat16, False, True, kda=True, dump_dir=d, vec=True,
+                                   prefetch=True),
+        ptx_must_have=("wgmma.mma_async.sync.aligned.m64n16k16", "st.shared.v4", "ld.shared.v4",
+                       "cp.async.ca.shared.global", "cp.async.wait_group"),
         archs=("sm_90a",),
     ))
     for kda in (False, True):

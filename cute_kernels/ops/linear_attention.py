@@ -230,6 +230,9 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
 # KDA's per-element passes in 16-byte vectors (`vec_elementwise`): compiled, not yet run on a GPU; off until the
 # KDA tests pass with it (env CUTE_KERNELS_KDA_VEC=1 turns it on).
 KDA_VEC = os.environ.get("CUTE_KERNELS_KDA_VEC", "0") == "1"
+# KDA's gates prefetched one chunk ahead (g by cp.async into shared memory, beta in a register): compiled, not yet
+# run on a GPU; off until the KDA tests pass with it (env CUTE_KERNELS_KDA_PREFETCH=1).
+KDA_PREFETCH = os.environ.get("CUTE_KERNELS_KDA_PREFETCH", "0") == "1"
 
 # Stages left out of the kernel, for timing by subtraction only (scripts/gdn_profile.py); results are wrong.
 GDN_SKIP: tuple = ()
@@ -237,15 +240,18 @@ GDN_SKIP: tuple = ()
 
 def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial_state: bool,
                      store_final_state: bool, persistent: bool = False, kda: bool = False, mode: str = "forward",
-                     skip: tuple | None = None, dump_dir=None, vec: bool | None = None):
+                     skip: tuple | None = None, dump_dir=None, vec: bool | None = None,
+                     prefetch: bool | None = None):
     """Compile the SM90 gated-delta-rule forward (GDN, or KDA with `kda`) for one configuration (no GPU needed).
-    `vec` (KDA only; default KDA_VEC): the per-element passes in 16-byte vectors."""
+    KDA only: `vec` (default KDA_VEC) runs the per-element passes in 16-byte vectors; `prefetch` (default
+    KDA_PREFETCH) loads the gates one chunk ahead."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
 
     skip = tuple(sorted(GDN_SKIP if skip is None else skip))
     vec = kda and (KDA_VEC if vec is None else vec)
+    prefetch = kda and (KDA_PREFETCH if prefetch is None else prefetch)
     key = ("gdn_fwd_sm90", str(io_dtype), str(beta_dtype), has_initial_state, store_final_state, persistent, kda,
-           mode, skip, vec)
+           mode, skip, vec, prefetch)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -257,7 +263,8 @@ def compile_gdn_sm90(io_dtype: torch.dtype, beta_dtype: torch.dtype, has_initial
 
         io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
         kernel = ChunkGatedDeltaRuleFwdSm90(io, bt, has_initial_state, store_final_state, persistent,
-                                            kda=kda, mode=mode, skip=skip, vec_elementwise=vec)
+                                            kda=kda, mode=mode, skip=skip, vec_elementwise=vec,
+                                            prefetch_gates=prefetch)
         args = (
             fake_tensor(io, (DYN, DYN, DYN, 128)),
             fake_tensor(io, (DYN, DYN, DYN, 128)),

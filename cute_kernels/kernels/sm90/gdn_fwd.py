@@ -87,7 +87,8 @@ class ChunkGatedDeltaRuleFwdSm90:
 
     def __init__(self, io_dtype, beta_dtype, has_initial_state: bool, store_final_state: bool,
                  persistent: bool = False, k_dim: int = 128, v_dim: int = 128, kda: bool = False,
-                 mode: str = "forward", skip: tuple = (), vec_elementwise: bool = False):
+                 mode: str = "forward", skip: tuple = (), vec_elementwise: bool = False,
+                 prefetch_gates: bool = False):
         if k_dim != 128 or v_dim != 128:
             raise ValueError(f"ChunkGatedDeltaRuleFwdSm90 supports K = V = 128, got K={k_dim}, V={v_dim}")
         self.io_dtype = io_dtype
@@ -109,6 +110,10 @@ class ChunkGatedDeltaRuleFwdSm90:
         # KDA: the per-element passes (gating, the anchored factors of `kda_block`) in 16-byte vectors of 8
         # channels through a 256-thread tiled copy, instead of one 2-byte element per thread and step.
         self.vec_elementwise = vec_elementwise
+        # KDA: the next chunk's raw g rows stream into the G buffer by cp.async once this chunk's step 1 is done
+        # with it, and its beta into a register, so the gates stage reads shared memory instead of waiting on
+        # global loads.
+        self.prefetch_gates = prefetch_gates
         # KDA keeps the per-channel cumulative decay G [64 x 128] fp32 in smem (32 KB): one q/k/v stage then fits.
         self.num_stages = 1 if kda else NUM_STAGES
         self.num_threads = 384
@@ -361,6 +366,15 @@ class ChunkGatedDeltaRuleFwdSm90:
                     if tok0 + ctid < tok_end:
                         gv = Float32(mG[tok0 + ctid, head])
                         bv = Float32(mBeta[tok0 + ctid, head])
+            if cutlass.const_expr(kda and self.prefetch_gates):
+                # KDA with prefetched gates: the first chunk's g (cp.async into sGk) and beta (register).
+                if ctid < C:
+                    if tok0 + ctid < tok_end:
+                        bv = Float32(mBeta[tok0 + ctid, head])
+                L0 = tok_end - tok0
+                if L0 > C:
+                    L0 = Int32(C)
+                self.kda_g_prefetch(ctid, tok0, L0, head, mG, sGk)
 
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
                 t0 = tok0 + c * C
@@ -370,7 +384,12 @@ class ChunkGatedDeltaRuleFwdSm90:
                 # -- 0. gates of this chunk (fp32, log2 units), before waiting on the tile
                 if cutlass.const_expr(kda):
                     if cutlass.const_expr("gates" not in self.skip):
-                        self.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag)
+                        self.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv)
+                    if cutlass.const_expr(self.prefetch_gates):
+                        bv = Float32(0.0)
+                        if ctid < C:
+                            if t0 + C + ctid < tok_end:
+                                bv = Float32(mBeta[t0 + C + ctid, head])
                 else:
                     if cutlass.const_expr("gates" not in self.skip):
                         self.gdn_gates(ctid, L, gv, bv, sG, sEG, sEGL, sBeta, sScan)
@@ -398,6 +417,13 @@ class ChunkGatedDeltaRuleFwdSm90:
                             self.kda_gating(ctid, L, stage, sQ, sK, sKb_mn, sGk, sGL)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                    if cutlass.const_expr(self.prefetch_gates):
+                        # sGk is free until the next chunk's gates: stream that chunk's raw g into it.
+                        if c + 1 < work.chunk_end - work.chunk_start:
+                            L1 = tok_end - t0 - C
+                            if L1 > C:
+                                L1 = Int32(C)
+                            self.kda_g_prefetch(ctid, t0 + C, L1, head, mG, sGk)
                     if cutlass.const_expr(outputs and "out" not in self.skip):
                         self.gemm(wtid, acc_o, sQ[None, None, stage], sS_mn[None, None, j], False, True, False)
                         for i in cutlass.range_constexpr(cute.size(acc_o)):
@@ -561,7 +587,23 @@ class ChunkGatedDeltaRuleFwdSm90:
             sBeta[ctid] = bl
 
     @cute.jit
-    def kda_gates(self, ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag):
+    def kda_g_prefetch(self, ctid, t0, L, head, mG, sGk):
+        """cp.async of the raw g values that thread ctid scans in `kda_gates` (channel ctid % 128, rows
+        32 (ctid // 128) .. + 31 of the chunk at token t0) into sGk; rows >= L get 0. One commit group."""
+        d = ctid % 128
+        h = ctid // 128
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+        for rr in cutlass.range_constexpr(32):
+            r = 32 * h + rr
+            if r < L:
+                cute.copy(atom, cute.local_tile(mG[t0 + r, head, None], (1,), (d,)),
+                          cute.local_tile(sGk[r, None], (1,), (d,)))
+            else:
+                sGk[r, d] = Float32(0.0)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def kda_gates(self, ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, beta_pre):
         """G[r, d] (log2 units), G[L-1, d], beta_r; sFlag[0] = 1 if some 16-row block decays by more than
         KDA_ANCHOR_LIMIT in some channel (then the exact diagonal path runs).
 
@@ -573,16 +615,23 @@ class ChunkGatedDeltaRuleFwdSm90:
         if ctid == 0:
             sFlag[0] = Int32(0)
         if ctid < C:
-            bv = Float32(0.0)
-            if ctid < L:
-                bv = Float32(mBeta[t0 + ctid, head])
+            bv = beta_pre    # prefetched (0 past the end)
+            if cutlass.const_expr(not self.prefetch_gates):
+                bv = Float32(0.0)
+                if ctid < L:
+                    bv = Float32(mBeta[t0 + ctid, head])
             sBeta[ctid] = bv
         gl = cute.make_rmem_tensor((32,), Float32)
-        for rr in cutlass.range_constexpr(32):
-            gv = Float32(0.0)
-            if 32 * h + rr < L:
-                gv = Float32(mG[t0 + 32 * h + rr, head, d])
-            gl[rr] = gv * LOG2E
+        if cutlass.const_expr(self.prefetch_gates):
+            cute.arch.cp_async_wait_group(0)   # this thread's raw g rows are in sGk (0 past the end)
+            for rr in cutlass.range_constexpr(32):
+                gl[rr] = sGk[32 * h + rr, d] * LOG2E
+        else:
+            for rr in cutlass.range_constexpr(32):
+                gv = Float32(0.0)
+                if 32 * h + rr < L:
+                    gv = Float32(mG[t0 + 32 * h + rr, head, d])
+                gl[rr] = gv * LOG2E
         for rr in cutlass.range_constexpr(1, 32):
             gl[rr] = gl[rr] + gl[rr - 1]
         # the largest right factor of a block is 2^(G[first row] - G[last row]); offsets cancel

@@ -109,12 +109,7 @@ class AffineMerge:
         m_next = cute.make_rmem_tensor((4 * self.m_vecs if prefetch else 4,), Float32)
         h_next = cute.make_rmem_tensor((RPT,), Float32)
 
-        # Running state <- initial state (or zero).
-        for i in cutlass.range_constexpr(RPT):
-            if cutlass.const_expr(self.has_initial_state):
-                s_tile[row0 + i, col] = initial_state[seq, head, row0 + i, v]
-            else:
-                s_tile[row0 + i, col] = Float32(0.0)
+        self.init_state(s_tile, initial_state, seq, head, row0, col, v)
         first = seg_offsets[seq]
         last = seg_offsets[seq + 1]
         if cutlass.const_expr(prefetch):
@@ -149,19 +144,10 @@ class AffineMerge:
                     acc[i] = h_ext[slot, head, row0 + i, v]
             if cutlass.const_expr(self.staged):
                 cute.arch.sync_threads()
-            for k4 in cutlass.range(K // 4, unroll=2):
-                s0 = s_tile[4 * k4 + 0, col]
-                s1 = s_tile[4 * k4 + 1, col]
-                s2 = s_tile[4 * k4 + 2, col]
-                s3 = s_tile[4 * k4 + 3, col]
-                for i in cutlass.range_constexpr(RPT):
-                    if cutlass.const_expr(self.staged):
-                        m_row = cute.local_tile(s_m[row0 + i, None], (4,), (k4,))
-                    else:
-                        m_row = cute.local_tile(m[slot, head, row0 + i, None], (4,), (k4,))
-                    m4 = cute.make_rmem_tensor((4,), Float32)
-                    cute.autovec_copy(m_row, m4)
-                    acc[i] = acc[i] + m4[0] * s0 + m4[1] * s1 + m4[2] * s2 + m4[3] * s3
+            if cutlass.const_expr(self.staged):
+                self.mac(acc, s_m, s_tile, row0, col)
+            else:
+                self.mac(acc, m[slot, head, None, None], s_tile, row0, col)
             cute.arch.sync_threads()
             for i in cutlass.range_constexpr(RPT):
                 s_tile[row0 + i, col] = acc[i]
@@ -195,11 +181,7 @@ class AffineMerge:
         copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
         acc = cute.make_rmem_tensor((RPT,), Float32)
 
-        for i in cutlass.range_constexpr(RPT):
-            if cutlass.const_expr(self.has_initial_state):
-                s_tile[row0 + i, col] = initial_state[seq, head, row0 + i, v]
-            else:
-                s_tile[row0 + i, col] = Float32(0.0)
+        self.init_state(s_tile, initial_state, seq, head, row0, col, v)
         first = seg_offsets[seq]
         last = seg_offsets[seq + 1]
         # Prologue: segments first .. first + STAGES - 2 into stages 0 .. STAGES - 2, one commit group each (past the
@@ -228,15 +210,7 @@ class AffineMerge:
             for r in cutlass.range_constexpr(RPT):
                 start_states[slot, head, row0 + r, v] = s_tile[row0 + r, col]
                 acc[r] = s_h[stage, row0 + r, col]
-            for k4 in cutlass.range(K // 4, unroll=2):
-                s0 = s_tile[4 * k4 + 0, col]
-                s1 = s_tile[4 * k4 + 1, col]
-                s2 = s_tile[4 * k4 + 2, col]
-                s3 = s_tile[4 * k4 + 3, col]
-                for r in cutlass.range_constexpr(RPT):
-                    m4 = cute.make_rmem_tensor((4,), Float32)
-                    cute.autovec_copy(cute.local_tile(s_m[stage, row0 + r, None], (4,), (k4,)), m4)
-                    acc[r] = acc[r] + m4[0] * s0 + m4[1] * s1 + m4[2] * s2 + m4[3] * s3
+            self.mac(acc, s_m[stage, None, None], s_tile, row0, col)
             cute.arch.sync_threads()
             for r in cutlass.range_constexpr(RPT):
                 s_tile[row0 + r, col] = acc[r]
@@ -244,6 +218,29 @@ class AffineMerge:
         cute.arch.sync_threads()
         for r in cutlass.range_constexpr(RPT):
             final_state[seq, head, row0 + r, v] = s_tile[row0 + r, col]
+
+    @cute.jit
+    def init_state(self, s_tile: cute.Tensor, initial_state: cute.Tensor, seq, head, row0, col, v):
+        """This thread's running-state entries <- the initial state (or zero)."""
+        for i in cutlass.range_constexpr(self.rows_per_thread):
+            if cutlass.const_expr(self.has_initial_state):
+                s_tile[row0 + i, col] = initial_state[seq, head, row0 + i, v]
+            else:
+                s_tile[row0 + i, col] = Float32(0.0)
+
+    @cute.jit
+    def mac(self, acc: cute.Tensor, m_mat: cute.Tensor, s_tile: cute.Tensor, row0, col):
+        """acc[i] += sum_k m_mat[row0 + i, k] s_tile[k, col]: k ascending, four at a time, M rows in 16-byte loads
+        (m_mat: a K x K row-major view in global or shared memory)."""
+        for k4 in cutlass.range(self.k_dim // 4, unroll=2):
+            s0 = s_tile[4 * k4 + 0, col]
+            s1 = s_tile[4 * k4 + 1, col]
+            s2 = s_tile[4 * k4 + 2, col]
+            s3 = s_tile[4 * k4 + 3, col]
+            for i in cutlass.range_constexpr(self.rows_per_thread):
+                m4 = cute.make_rmem_tensor((4,), Float32)
+                cute.autovec_copy(cute.local_tile(m_mat[row0 + i, None], (4,), (k4,)), m4)
+                acc[i] = acc[i] + m4[0] * s0 + m4[1] * s1 + m4[2] * s2 + m4[3] * s3
 
     @cute.jit
     def ring_issue(self, copy16, copy4, m: cute.Tensor, h_ext: cute.Tensor, s_m: cute.Tensor, s_h: cute.Tensor,

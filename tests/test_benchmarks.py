@@ -266,6 +266,8 @@ def test_combine_parts(tmp_path):
     d = report.read_json(tmp_path / "all.json")
     assert len(d["rows"]) == 3 and d["parts"] == 2 and d["complete"]
     assert (tmp_path / "all.png").stat().st_size > 0
+    text = (tmp_path / "all.txt").read_text()   # the printed tables, kept beside the JSON
+    assert text.startswith("speed-up") and "2.00" in text and "ours_us / floor_us" in text
     other = dict(base, op="gdn")
     p3 = report.write_json(tmp_path / "c.json", other, [row(2, 8, 256, 30.0)])
     import pytest

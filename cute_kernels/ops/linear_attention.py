@@ -63,6 +63,8 @@ def validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda: bool, scal
 
 
 _CHECK_GATES = os.environ.get("CUTE_KERNELS_CHECK_GATES", "0") == "1"
+
+
 def _sm_count(device) -> int:
     return _merge.sm_count(device)
 
@@ -77,7 +79,8 @@ AUTO_SEGMENTS = os.environ.get("CUTE_KERNELS_AUTO_SEGMENTS", "0") == "1"
 # and the affine merge's time per segment along a sequence, per merge variant. With these the model predicted the
 # segmented GDN at B=1 H=4 within 5% (T=1024/4096/8192: 77/146/247 us predicted, 81/146/249 us measured).
 CHUNK_US = {False: 9.5, True: 25.5}
-MERGE_LINK_US = {"simt": 23.8, "staged": 7.6, "prefetch": 3.9}
+MERGE_LINK_US = {"simt": 23.8, "staged": 7.6, "prefetch": 3.9, "ring": 3.9}   # ring: not yet measured
+_auto_schedulers: dict = {}
 
 
 def auto_scheduler(kda: bool, num_seqs: int = 1, num_heads: int = 1, sms: int = 132):
@@ -94,9 +97,6 @@ def auto_scheduler(kda: bool, num_seqs: int = 1, num_heads: int = 1, sms: int = 
         cost = SegmentCost(chunk_us=CHUNK_US[kda], link_us=MERGE_LINK_US[impl])
         sched = _auto_schedulers[key] = SegmentScheduler(min_chunks=2, cost=cost)
     return sched
-
-
-_auto_schedulers: dict = {}
 
 
 def _schedule(scheduler, B, T, H, cu_seqlens, device, kda: bool = False):

@@ -93,16 +93,12 @@ class AffineMerge:
         start_states: cute.Tensor,
         final_state: cute.Tensor,
     ):
-        K, BV, RPT = self.k_dim, self.block_v, self.rows_per_thread
+        K, RPT = self.k_dim, self.rows_per_thread
         prefetch = self.impl == "prefetch"
-        tid, _, _ = cute.arch.thread_idx()
-        vt, head, seq = cute.arch.block_idx()
-        col = tid % BV
-        row0 = (tid // BV) * RPT
-        v = vt * BV + col
+        tid, head, seq, col, row0, v = self.coords()
 
         smem = cutlass.memory.SmemAllocator()
-        s_tile = smem.allocate_tensor(Float32, cute.make_layout((K, BV), stride=(BV, 1)), 16)
+        s_tile = smem.allocate_tensor(Float32, cute.make_layout((K, self.block_v), stride=(self.block_v, 1)), 16)
         s_m = smem.allocate_tensor(Float32, cute.make_layout((K, K) if self.staged else (1, 4), stride=(K, 1)), 16)
         acc = cute.make_rmem_tensor((RPT,), Float32)
         # prefetch: the next segment's M pieces and h_ext values, in registers.
@@ -167,11 +163,7 @@ class AffineMerge:
         final_state: cute.Tensor,
     ):
         K, BV, RPT, STAGES = self.k_dim, self.block_v, self.rows_per_thread, self.ring_stages
-        tid, _, _ = cute.arch.thread_idx()
-        vt, head, seq = cute.arch.block_idx()
-        col = tid % BV
-        row0 = (tid // BV) * RPT
-        v = vt * BV + col
+        tid, head, seq, col, row0, v = self.coords()
 
         smem = cutlass.memory.SmemAllocator()
         s_tile = smem.allocate_tensor(Float32, cute.make_layout((K, BV), stride=(BV, 1)), 16)
@@ -218,6 +210,16 @@ class AffineMerge:
         cute.arch.sync_threads()
         for r in cutlass.range_constexpr(RPT):
             final_state[seq, head, row0 + r, v] = s_tile[row0 + r, col]
+
+    @cute.jit
+    def coords(self):
+        """(tid, head, seq, col, row0, v): this thread's column `col` of the CTA's V tile (global column v) and its
+        first row row0 of the `rows_per_thread` it owns."""
+        tid, _, _ = cute.arch.thread_idx()
+        vt, head, seq = cute.arch.block_idx()
+        col = tid % self.block_v
+        row0 = (tid // self.block_v) * self.rows_per_thread
+        return tid, head, seq, col, row0, vt * self.block_v + col
 
     @cute.jit
     def init_state(self, s_tile: cute.Tensor, initial_state: cute.Tensor, seq, head, row0, col, v):

@@ -36,14 +36,20 @@ def _variants() -> list[Variant]:
     from .ops.merge import compile_affine_merge, compile_lse_merge
 
     out = []
-    for k, v, init, impl in [(128, 128, True, "simt"), (128, 128, False, "simt"), (64, 64, True, "simt"),
-                             (128, 128, True, "staged"), (64, 64, False, "staged"),
-                             (128, 128, True, "prefetch"), (128, 128, False, "prefetch"), (64, 64, False, "prefetch"),
-                             (128, 128, True, "ring"), (128, 128, False, "ring"), (64, 64, False, "ring")]:
+    so = "starts_only"
+    for k, v, init, impl, *flag in [
+            (128, 128, True, "simt"), (128, 128, False, "simt"), (64, 64, True, "simt"),
+            (128, 128, True, "staged"), (64, 64, False, "staged"), (128, 128, False, "staged", so),
+            (128, 128, True, "prefetch"), (128, 128, False, "prefetch"), (64, 64, False, "prefetch"),
+            (128, 128, False, "prefetch", so), (128, 128, True, "prefetch", so),
+            (128, 128, True, "ring"), (128, 128, False, "ring"), (64, 64, False, "ring"), (128, 128, False, "ring", so)]:
         staged = impl != "simt"
+        starts_only = bool(flag)
         out.append(Variant(
-            "affine_merge", f"affine_merge_k{k}_v{v}{'_init' if init else ''}{'' if impl == 'simt' else '_' + impl}",
-            lambda d, k=k, v=v, init=init, impl=impl: compile_affine_merge(k, v, init, impl, dump_dir=d),
+            "affine_merge", f"affine_merge_k{k}_v{v}{'_init' if init else ''}{'' if impl == 'simt' else '_' + impl}"
+            + ("_starts" if starts_only else ""),
+            lambda d, k=k, v=v, init=init, impl=impl, so=starts_only: compile_affine_merge(k, v, init, impl,
+                                                                                           dump_dir=d, starts_only=so),
             # 16-byte global loads: ld.global.v4.b32 (sm_90a) or ld.global.v2.b64 (sm_100a, staged copy); the ring
             # streams M by 16-byte cp.async instead
             ptx_must_have=("fma.rn.f32", "bar.sync") + (("ld.shared.v4",) if staged else ("ld.global.v4",))
@@ -72,26 +78,27 @@ def _variants() -> list[Variant]:
             ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec"),
             archs=("sm_90a",),
         ))
-    out.append(Variant(
+    out.append(Variant(   # the defaults: per-element passes in 16-byte vectors (KDA_VEC), gates prefetched (KDA_PREFETCH)
         "chunk_kda", "kda_fwd_sm90_bfloat16_init_final",
         lambda d: compile_gdn_sm90(torch.bfloat16, torch.bfloat16, True, True, kda=True, dump_dir=d),
-        ptx_must_have=("wgmma.mma_async.sync.aligned.m64n16k16", "cp.async.bulk.tensor", "setmaxnreg.inc"),
+        ptx_must_have=("wgmma.mma_async.sync.aligned.m64n16k16", "cp.async.bulk.tensor", "setmaxnreg.inc",
+                       "st.shared.v4", "ld.shared.v4", "cp.async.ca.shared.global", "cp.async.wait_group"),
         archs=("sm_90a",),
     ))
-    out.append(Variant(   # KDA's per-element passes in 16-byte vectors (KDA_VEC), gates prefetched (KDA_PREFETCH)
-        "chunk_kda", "kda_fwd_sm90_bfloat16_vec_prefetch",
-        lambda d: compile_gdn_sm90(torch.bfloat16, torch.bfloat16, False, True, kda=True, dump_dir=d, vec=True,
-                                   prefetch=True),
-        ptx_must_have=("wgmma.mma_async.sync.aligned.m64n16k16", "st.shared.v4", "ld.shared.v4",
-                       "cp.async.ca.shared.global", "cp.async.wait_group"),
+    out.append(Variant(   # KDA_VEC=0 KDA_PREFETCH=0: one element per thread and step, gates loaded in the chunk
+        "chunk_kda", "kda_fwd_sm90_bfloat16_scalar",
+        lambda d: compile_gdn_sm90(torch.bfloat16, torch.bfloat16, False, True, kda=True, dump_dir=d, vec=False,
+                                   prefetch=False),
+        ptx_must_have=("wgmma.mma_async.sync.aligned.m64n16k16", "cp.async.bulk.tensor", "setmaxnreg.inc"),
         archs=("sm_90a",),
     ))
     for kda in (False, True):
         for mode in ("summary", "segment_outputs"):
             out.append(Variant(
                 "chunk_kda" if kda else "chunk_gated_delta_rule", f"{'kda' if kda else 'gdn'}_fwd_sm90_bfloat16_{mode}",
-                lambda d, mode=mode, kda=kda: compile_gdn_sm90(torch.bfloat16, torch.bfloat16, True, False, kda=kda,
-                                                               mode=mode, dump_dir=d),
+                # the segmented forward's variants: summary (no start state, no o) and outputs storing the final
+                lambda d, mode=mode, kda=kda: compile_gdn_sm90(torch.bfloat16, torch.bfloat16, mode != "summary",
+                                                               mode != "summary", kda=kda, mode=mode, dump_dir=d),
                 ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"),
                 archs=("sm_90a",),
             ))

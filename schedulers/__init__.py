@@ -5,8 +5,10 @@ Host half (pure Python): `Problem` -> `SequenceScheduler` / `SegmentScheduler` /
 Device half (CuTe DSL, imported lazily): `schedulers.device.TileScheduler`.
 """
 
-from .heuristics import SegmentCost, SegmentPlan, plan_segments, plan_segments_by_cost, segmented_cost_us
-from .host import PersistentScheduler, Schedule, SegmentScheduler, SequenceScheduler, schedule_from_segmentation
+from .heuristics import (SegmentCost, SegmentPlan, plan_segments, plan_segments_by_cost, segmented_cost_us,
+                         summary_blocks_of)
+from .host import (PersistentScheduler, Schedule, SegmentScheduler, SequenceScheduler, schedule_from_segmentation,
+                   summary_schedule)
 from .problem import NUM_TILE_FIELDS, TILE_FIELDS, Problem, Segmentation, WorkTile, ceil_div, split_even
 
 __all__ = [
@@ -27,4 +29,6 @@ __all__ = [
     "segmented_cost_us",
     "schedule_from_segmentation",
     "split_even",
+    "summary_blocks_of",
+    "summary_schedule",
 ]

@@ -169,12 +169,27 @@ class SegmentCost:
     link_us: the merge's time per segment along one sequence (the serial chain of the affine merge).
     summary_blocks: tiles per segment in the summary launch (2 for the linear-attention path: h_ext and M).
     launch_us: the fixed cost of each extra launch of the segmented path (summary, merge).
+    first_m: whether the first segment of a sequence needs its whole summary (an initial state is given); without
+      one its start is zero, so only h_ext (one tile) is needed. A sequence's last segment never needs a summary
+      (the output launch computes its end state from its true start), see `summary_tiles`.
     """
 
     chunk_us: float
     link_us: float
     summary_blocks: int = 2
     launch_us: float = 4.0
+    first_m: bool = False
+
+
+def summary_blocks_of(segment: int, num_segments: int, summary_blocks: int, first_m: bool) -> int:
+    """Summary tiles a segment needs: none for a sequence's last segment (its summary would only give the final
+    state, which the output launch computes directly), `summary_blocks` for the others, except one fewer (h_ext
+    only, no M) for the first segment when the start state is zero (`first_m=False`)."""
+    if segment == num_segments - 1:
+        return 0
+    if segment == 0 and not first_m:
+        return summary_blocks - 1
+    return summary_blocks
 
 
 def _makespan(lengths: list[int], slots: int) -> int:
@@ -196,9 +211,10 @@ def segmented_cost_us(problem: Problem, segmentation: Segmentation, cost: Segmen
     t = _makespan(outputs, slots) * cost.chunk_us
     if all(len(lens) <= 1 for lens in seg_lens):
         return t
-    summary = [n for lens in seg_lens for n in lens for _ in range(per_seq * cost.summary_blocks)]
+    summary = [n for lens in seg_lens for s, n in enumerate(lens)
+               for _ in range(per_seq * summary_blocks_of(s, len(lens), cost.summary_blocks, cost.first_m))]
     t += _makespan(summary, slots) * cost.chunk_us
-    t += max(len(lens) for lens in seg_lens) * cost.link_us + 2 * cost.launch_us
+    t += (max(len(lens) for lens in seg_lens) - 1) * cost.link_us + 2 * cost.launch_us   # N - 1 links
     return t
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .heuristics import SegmentCost, SegmentPlan, plan_segments, plan_segments_by_cost
+from .heuristics import SegmentCost, SegmentPlan, plan_segments, plan_segments_by_cost, summary_blocks_of
 from .problem import TILE_FIELDS, Problem, Segmentation, WorkTile, split_even
 
 
@@ -164,4 +164,20 @@ def schedule_from_segmentation(problem: Problem, segmentation: Segmentation, nam
     if len(segmentation.bounds) != problem.num_seqs:
         raise ValueError(f"segmentation has {len(segmentation.bounds)} sequences, the problem {problem.num_seqs}")
     tiles = _tiles(problem, segmentation)
+    return Schedule(tiles, (max(1, len(tiles)), 1, 1), False, segmentation, name)
+
+
+def summary_schedule(problem: Problem, segmentation: Segmentation, first_m: bool, name: str = "segment-summary"
+                     ) -> Schedule:
+    """The summary launch of a segmented forward: one CTA per summary tile that some start state needs.
+
+    `problem.num_blocks` is the number of summary blocks per segment (block 0 = h_ext, block 1 = M). A sequence's
+    last segment gets no tile (the output launch computes its end state), and its first segment only block 0
+    unless `first_m` (an initial state is given; without one the start is zero and M is never used); see
+    `summary_blocks_of`. The tiles keep `_tiles`' order and their `seg_slot`s, so summaries land in the same slots.
+    """
+    if len(segmentation.bounds) != problem.num_seqs:
+        raise ValueError(f"segmentation has {len(segmentation.bounds)} sequences, the problem {problem.num_seqs}")
+    tiles = [t for t in _tiles(problem, segmentation)
+             if t.block < summary_blocks_of(t.segment, t.num_segments, problem.num_blocks, first_m)]
     return Schedule(tiles, (max(1, len(tiles)), 1, 1), False, segmentation, name)

@@ -86,6 +86,37 @@ def test_affine_merge_matches_reference(K, V, with_init, impl, monkeypatch):
 
 
 @requires_gpu
+@pytest.mark.parametrize("with_init", [True, False])
+@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring"])
+def test_affine_merge_starts_only_never_reads_unneeded_summaries(with_init, impl, monkeypatch):
+    """The segmented forward leaves each sequence's last summary (and, without an initial state, the first M)
+    unwritten: NaN there must not reach any start state."""
+    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", impl)
+    gen = torch.Generator().manual_seed(31 + with_init)
+    dev = torch.device("cuda")
+    problem = Problem.varlen([0, 64, 64 + 4096, 64 + 4096 + 700, 64 + 4096 + 700], num_heads=2)
+    sched = SegmentScheduler(num_segments=7, min_chunks=1).schedule(problem)
+    offs = sched.seg_offsets
+    slots, N, H = sched.segmentation.total_segments, problem.num_seqs, 2
+    M, h = summaries(slots, H, 128, 128, dev, gen)
+    init = torch.randn(N, H, 128, 128, generator=gen).to(dev) if with_init else None
+    want_starts, _ = ref.affine_merge(M.double(), h.double(), offs, None if init is None else init.double())
+    for n in range(N):
+        if offs[n + 1] > offs[n]:
+            M[offs[n + 1] - 1] = float("nan")
+            h[offs[n + 1] - 1] = float("nan")
+            if not with_init:
+                M[offs[n]] = float("nan")
+    out = (poisoned((slots, H, 128, 128), torch.float32, dev),)
+    starts, final = ck.affine_merge(M, h, offs, init, out=out, starts_only=True)
+    assert final is None and starts is out[0]
+    assert not starts.isnan().any()
+    assert rel_err(starts, want_starts) <= 1e-5
+    again, _ = ck.affine_merge(M, h, offs, init, starts_only=True)
+    assert torch.equal(again, starts)
+
+
+@requires_gpu
 @pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring"])
 def test_affine_merge_long_chain(impl, monkeypatch):
     import cute_kernels.ops.merge as merge_ops

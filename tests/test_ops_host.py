@@ -45,7 +45,7 @@ class KernelEmulator:
                 s_out[t["block"] * (s_out.shape[0] // 2) + t["seg_slot"], h] = s_end[0, 0].float()
                 continue
             o[a:b, h] = out[0, :, 0].to(o.dtype)
-            if self.mode == "forward" and self.store_final and t["segment"] == t["num_segments"] - 1:
+            if self.store_final and t["segment"] == t["num_segments"] - 1:
                 s_out[t["seq"], h] = s_end[0, 0].float()
 
 
@@ -58,9 +58,22 @@ def emulated(monkeypatch):
         calls.append(mode)
         return KernelEmulator(has_initial_state, store_final_state, kda, mode)
 
-    def fake_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None):
-        starts, final = ref.affine_merge(M.double(), h_ext.double(), list(seg_offsets),
-                                         None if initial_state is None else initial_state.double())
+    def fake_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_only=False):
+        # The kernel's contract: without an initial state the first M of a sequence is never read; with
+        # starts_only, neither is its last summary. Those slots may hold the poison (NaN): zero them here, so any
+        # other unwritten slot still shows as NaN in the results.
+        M, h_ext, offs = M.double().clone(), h_ext.double().clone(), list(seg_offsets)
+        for n in range(len(offs) - 1):
+            if offs[n + 1] > offs[n]:
+                if initial_state is None:
+                    M[offs[n]] = 0
+                if starts_only:
+                    M[offs[n + 1] - 1] = 0
+                    h_ext[offs[n + 1] - 1] = 0
+        starts, final = ref.affine_merge(M, h_ext, offs, None if initial_state is None else initial_state.double())
+        if starts_only:
+            assert out is None
+            return starts.float(), None
         if out is not None:
             out[0].copy_(starts)
             out[1].copy_(final)
@@ -72,6 +85,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
     monkeypatch.setattr(la, "compile_gdn_sm90", fake_compile)
     monkeypatch.setattr(merge_ops, "affine_merge", fake_merge)
+    monkeypatch.setattr(la, "_POISON_SUMMARIES", True)
     la._schedule_cache.clear()
     return calls
 
@@ -88,7 +102,8 @@ def inputs(B, T, H, kda, gen):
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("segments", [None, 3])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_forward_orchestration(emulated, kda, segments, varlen):
+@pytest.mark.parametrize("with_init", [True, False])
+def test_forward_orchestration(emulated, kda, segments, varlen, with_init):
     gen = torch.Generator().manual_seed(7 + kda + 2 * varlen)
     if varlen:
         cu = [0, 70, 70, 300]
@@ -98,7 +113,7 @@ def test_forward_orchestration(emulated, kda, segments, varlen):
     else:
         q, k, v, g, beta = inputs(2, 200, 2, kda, gen)
         cut, N = None, 2
-    s0 = torch.randn(N, 2, 128, 128, generator=gen) * 0.1
+    s0 = torch.randn(N, 2, 128, 128, generator=gen) * 0.1 if with_init else None
     sched = None if segments is None else SegmentScheduler(num_segments=segments, min_chunks=1)
     op = la.chunk_kda if kda else la.chunk_gated_delta_rule
     o, s = op(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cut, scheduler=sched)

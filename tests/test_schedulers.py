@@ -178,10 +178,34 @@ def test_segmented_cost_by_hand():
     p = Problem.fixed(1, 16 * 64, 4)
     # Unsplit: 4 tiles of 16 chunks.
     assert segmented_cost_us(p, Segmentation([split_even(16, 1)]), cost, 132) == 16 * 9.5
-    # 4 segments: outputs 16 tiles x 4 chunks, summaries 32 tiles x 4 chunks (one wave each), 4 links, 2 launches.
-    assert segmented_cost_us(p, Segmentation([split_even(16, 4)]), cost, 132) == 4 * 9.5 * 2 + 4 * 2.0 + 8.0
+    # 4 segments: outputs 16 tiles x 4 chunks, summaries (h of segment 0, h and M of segments 1 and 2, none of
+    # segment 3) 4 x 5 tiles x 4 chunks (one wave each), 3 links, 2 launches.
+    assert segmented_cost_us(p, Segmentation([split_even(16, 4)]), cost, 132) == 4 * 9.5 * 2 + 3 * 2.0 + 8.0
+    # On 16 slots the 20 summary tiles take two waves; with an initial state (first_m) 24 tiles, still two.
+    assert segmented_cost_us(p, Segmentation([split_even(16, 4)]), cost, 16) == 4 * 9.5 * 3 + 3 * 2.0 + 8.0
+    cost_m = SegmentCost(chunk_us=9.5, link_us=2.0, summary_blocks=2, launch_us=4.0, first_m=True)
+    assert segmented_cost_us(p, Segmentation([split_even(16, 4)]), cost_m, 20) == 4 * 9.5 * 3 + 3 * 2.0 + 8.0
+    assert segmented_cost_us(p, Segmentation([split_even(16, 4)]), cost, 20) == 4 * 9.5 * 2 + 3 * 2.0 + 8.0
     # More tiles than slots: 3 tiles of 5 chunks on 2 slots take 10 chunks.
     assert segmented_cost_us(Problem.fixed(3, 5 * 64, 1), Segmentation([split_even(5, 1)] * 3), cost, 2) == 10 * 9.5
+
+
+@pytest.mark.parametrize("first_m", [False, True])
+def test_summary_schedule_has_the_tiles_start_states_need(first_m):
+    from schedulers import summary_schedule
+
+    # Sequence 0: 3 segments, sequence 1: 1 segment (needs no summary), sequence 2: 2 segments.
+    p = Problem.varlen([0, 6 * 64, 6 * 64 + 100, 6 * 64 + 100 + 4 * 64], 2, num_blocks=2)
+    seg = Segmentation([split_even(6, 3), split_even(1, 1), split_even(4, 2)])
+    sched = summary_schedule(p, seg, first_m=first_m)
+    got = sorted((t.seq, t.segment, t.head, t.block) for t in sched.tiles)
+    want = sorted([(0, 0, h, 0) for h in range(2)] + [(0, 1, h, b) for h in range(2) for b in range(2)]
+                  + [(2, 0, h, 0) for h in range(2)]
+                  + ([(0, 0, h, 1) for h in range(2)] + [(2, 0, h, 1) for h in range(2)] if first_m else []))
+    assert got == want
+    assert sched.grid == (len(want), 1, 1) and not sched.persistent
+    # Slots are those of the full segmentation (summaries land where the merge reads them).
+    assert {t.seg_slot for t in sched.tiles} == {0, 1, 4}
 
 
 @pytest.mark.parametrize("B,H,T", [(1, 4, 8192), (2, 8, 4096), (1, 16, 16384), (4, 16, 1024), (16, 64, 4096)])

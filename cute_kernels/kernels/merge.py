@@ -25,6 +25,9 @@ class AffineMerge:
 
     Per (sequence n, head h, V tile of `block_v` columns): S = S0[n, h]; for each segment slot s of n in
     order: start[s] = S; S = M[s, h] @ S + h_ext[s, h]. Then final[n, h] = S.
+    Without an initial state S0 = 0, so the first segment's M is never read (S = h_ext[first]).
+    `starts_only`: the start states only -- each sequence's last summary is never read and final_state is not
+    written (the segmented forward's output launch computes the end of the last segment itself).
 
     Tensors (fp32, row-major, dynamic leading sizes): M [slots, H, K, K], h_ext [slots, H, K, V],
     seg_offsets [N + 1] int32, initial_state [N, H, K, V] (read only if `has_initial_state`),
@@ -46,7 +49,7 @@ class AffineMerge:
       off the serial chain: per segment one group wait, three CTA barriers and the K x 8 x K products.
     """
 
-    def __init__(self, k_dim: int, v_dim: int, has_initial_state: bool, impl: str = "simt"):
+    def __init__(self, k_dim: int, v_dim: int, has_initial_state: bool, impl: str = "simt", starts_only: bool = False):
         if impl not in AFFINE_MERGE_CONFIG:
             raise ValueError(f"AffineMerge impl must be one of {sorted(AFFINE_MERGE_CONFIG)}, got {impl!r}")
         self.impl = impl
@@ -59,6 +62,7 @@ class AffineMerge:
         self.v_dim = v_dim
         self.block_v = block_v
         self.has_initial_state = has_initial_state
+        self.starts_only = starts_only
         self.rows_per_thread = k_dim * block_v // self.num_threads
         self.ring_stages = 3
         self.m_vecs = k_dim * k_dim // 4 // self.num_threads  # 16-byte pieces of M per thread (staged copy)
@@ -108,12 +112,13 @@ class AffineMerge:
         self.init_state(s_tile, initial_state, seq, head, row0, col, v)
         first = seg_offsets[seq]
         last = seg_offsets[seq + 1]
+        end = last - 1 if self.starts_only else last   # segments whose summary is applied
         if cutlass.const_expr(prefetch):
             if first < last:
                 self.load_m_h(m, h_ext, first, head, tid, row0, v, m_next, h_next)
         cute.arch.sync_threads()
 
-        for slot in cutlass.range(first, last):
+        for slot in cutlass.range(first, end):
             if cutlass.const_expr(prefetch):
                 # Registers -> smem for this segment, then start the loads of the next one (the last segment
                 # reloads itself: harmless, and no branch).
@@ -140,17 +145,18 @@ class AffineMerge:
                     acc[i] = h_ext[slot, head, row0 + i, v]
             if cutlass.const_expr(self.staged):
                 cute.arch.sync_threads()
-            if cutlass.const_expr(self.staged):
-                self.mac(acc, s_m, s_tile, row0, col)
+            m_mat = s_m if self.staged else m[slot, head, None, None]
+            if cutlass.const_expr(self.has_initial_state):
+                self.mac(acc, m_mat, s_tile, row0, col)
             else:
-                self.mac(acc, m[slot, head, None, None], s_tile, row0, col)
+                if slot != first:   # the first start is zero: M[first] is not read
+                    self.mac(acc, m_mat, s_tile, row0, col)
             cute.arch.sync_threads()
             for i in cutlass.range_constexpr(RPT):
                 s_tile[row0 + i, col] = acc[i]
             cute.arch.sync_threads()
 
-        for i in cutlass.range_constexpr(RPT):
-            final_state[seq, head, row0 + i, v] = s_tile[row0 + i, col]
+        self.store_end(s_tile, start_states, final_state, first, last, seq, head, row0, col, v)
 
     @cute.kernel
     def ring_kernel(
@@ -176,6 +182,7 @@ class AffineMerge:
         self.init_state(s_tile, initial_state, seq, head, row0, col, v)
         first = seg_offsets[seq]
         last = seg_offsets[seq + 1]
+        end = last - 1 if self.starts_only else last   # segments whose summary is applied
         # Prologue: segments first .. first + STAGES - 2 into stages 0 .. STAGES - 2, one commit group each (past the
         # sequence's last segment a group reloads the last one: every iteration then waits on the same count).
         if first < last:
@@ -187,7 +194,7 @@ class AffineMerge:
                 cute.arch.cp_async_commit_group()
         cute.arch.sync_threads()
 
-        for slot in cutlass.range(first, last):
+        for slot in cutlass.range(first, end):
             i = slot - first
             stage = i % STAGES
             cute.arch.cp_async_wait_group(STAGES - 2)  # this segment's group has landed (this thread's pieces)
@@ -202,14 +209,17 @@ class AffineMerge:
             for r in cutlass.range_constexpr(RPT):
                 start_states[slot, head, row0 + r, v] = s_tile[row0 + r, col]
                 acc[r] = s_h[stage, row0 + r, col]
-            self.mac(acc, s_m[stage, None, None], s_tile, row0, col)
+            if cutlass.const_expr(self.has_initial_state):
+                self.mac(acc, s_m[stage, None, None], s_tile, row0, col)
+            else:
+                if slot != first:   # the first start is zero: M[first] is not read
+                    self.mac(acc, s_m[stage, None, None], s_tile, row0, col)
             cute.arch.sync_threads()
             for r in cutlass.range_constexpr(RPT):
                 s_tile[row0 + r, col] = acc[r]
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
-        for r in cutlass.range_constexpr(RPT):
-            final_state[seq, head, row0 + r, v] = s_tile[row0 + r, col]
+        self.store_end(s_tile, start_states, final_state, first, last, seq, head, row0, col, v)
 
     @cute.jit
     def coords(self):
@@ -229,6 +239,18 @@ class AffineMerge:
                 s_tile[row0 + i, col] = initial_state[seq, head, row0 + i, v]
             else:
                 s_tile[row0 + i, col] = Float32(0.0)
+
+    @cute.jit
+    def store_end(self, s_tile: cute.Tensor, start_states: cute.Tensor, final_state: cute.Tensor, first, last, seq,
+                  head, row0, col, v):
+        """The running state after the chain: the last segment's start (`starts_only`) or the final state."""
+        if cutlass.const_expr(self.starts_only):
+            if first < last:
+                for i in cutlass.range_constexpr(self.rows_per_thread):
+                    start_states[last - 1, head, row0 + i, v] = s_tile[row0 + i, col]
+        else:
+            for i in cutlass.range_constexpr(self.rows_per_thread):
+                final_state[seq, head, row0 + i, v] = s_tile[row0 + i, col]
 
     @cute.jit
     def mac(self, acc: cute.Tensor, m_mat: cute.Tensor, s_tile: cute.Tensor, row0, col):

@@ -72,52 +72,57 @@ def _sm_count(device) -> int:
 # scheduler=None: with AUTO_SEGMENTS, a SegmentScheduler whose segment count per call minimizes the predicted
 # time of the segmented path (`plan_segments_by_cost` with the costs below; N = 1 whenever splitting does not pay,
 # which is every call whose tiles fill the GPU); without, SequenceScheduler(). Env CUTE_KERNELS_AUTO_SEGMENTS=0/1.
-# Off by default until the whole GPU suite has run with it on (the segmented path itself passed
-# tests/test_segmented.py on the H200, 2026-12-02).
-AUTO_SEGMENTS = os.environ.get("CUTE_KERNELS_AUTO_SEGMENTS", "0") == "1"
+# On by default since the whole GPU suite (tests/test_gdn_sm90.py, tests/test_segmented.py) passed with it on
+# (H200, 2026-12-02, 69 passed).
+AUTO_SEGMENTS = os.environ.get("CUTE_KERNELS_AUTO_SEGMENTS", "1") == "1"
 # Measured on the H200 (NOTES.md, 2026-12-02): one CTA's time per chunk of the SM90 kernel (GDN, KDA; K = V = 128)
 # and the affine merge's time per segment along a sequence, per merge variant. With these the model predicted the
 # segmented GDN at B=1 H=4 within 5% (T=1024/4096/8192: 77/146/247 us predicted, 81/146/249 us measured).
-CHUNK_US = {False: 9.5, True: 25.5}
-MERGE_LINK_US = {"simt": 23.8, "staged": 7.6, "prefetch": 3.9, "ring": 3.9}   # ring: not yet measured
+# KDA: 16.4 us with KDA_VEC and KDA_PREFETCH on (scripts/gdn_profile.py kda, B=16 H=64 T=4096; 26.0 without).
+CHUNK_US = {False: 9.5, True: 16.4}
+# ring measured slower than prefetch (scripts/time_merges.py: 139.7 vs 125.3 us for 32 segments x 4 heads).
+MERGE_LINK_US = {"simt": 23.8, "staged": 7.6, "prefetch": 3.9, "ring": 4.4}
 _auto_schedulers: dict = {}
 
 
-def auto_scheduler(kda: bool, num_seqs: int = 1, num_heads: int = 1, sms: int = 132):
+def auto_scheduler(kda: bool, num_seqs: int = 1, num_heads: int = 1, sms: int = 132, initial_state: bool = False):
     """The scheduler `scheduler=None` stands for (see AUTO_SEGMENTS); the merge variant, and so the link cost,
-    depends on the number of (sequence, head) pairs."""
+    depends on the number of (sequence, head) pairs; an initial state adds the first segment's M summary."""
     from schedulers import SegmentCost, SegmentScheduler, SequenceScheduler
 
     if not AUTO_SEGMENTS:
         return SequenceScheduler()
     impl = _merge.merge_impl_for(num_seqs, num_heads, 128, 128, sms)
-    key = (kda, impl)
+    key = (kda, impl, initial_state)
     sched = _auto_schedulers.get(key)
     if sched is None:
-        cost = SegmentCost(chunk_us=CHUNK_US[kda], link_us=MERGE_LINK_US[impl])
+        cost = SegmentCost(chunk_us=CHUNK_US[kda], link_us=MERGE_LINK_US[impl], first_m=initial_state)
         sched = _auto_schedulers[key] = SegmentScheduler(min_chunks=2, cost=cost)
     return sched
 
 
-def _schedule(scheduler, B, T, H, cu_seqlens, device, kda: bool = False):
-    """The work tiles of this call (host side; cached per (scheduler, shape) by the Schedule's table)."""
+def _schedule(scheduler, B, T, H, cu_seqlens, device, kda: bool = False, init: bool = False):
+    """The work tiles of this call (host side; cached per (scheduler, shape) by the Schedule's table): the output
+    launch's schedule and, if segmented, the summary launch's (None otherwise)."""
     from schedulers import Problem
 
     problem = Problem.varlen(cu_seqlens, H) if cu_seqlens is not None else Problem.fixed(B, T, H)
     sms = _sm_count(device)
     if scheduler is None:
-        scheduler = auto_scheduler(kda, problem.num_seqs, H, sms)
+        scheduler = auto_scheduler(kda, problem.num_seqs, H, sms, init)
     schedule = scheduler.schedule(problem, sm_count=sms, ctas_per_sm=1)
     if schedule.segmentation.total_segments == problem.num_seqs:
         return schedule, None
-    # Segmented: a summary launch with two column blocks per tile (h_ext, M) over the same segmentation.
-    from schedulers import schedule_from_segmentation
+    # Segmented: a summary launch with two column blocks per tile (h_ext, M) over the same segmentation, for the
+    # summaries some start state needs (not the last segment's; the first segment's M only with an initial state).
+    from schedulers import summary_schedule
 
     blocks2 = Problem(problem.seq_lens, problem.seq_starts, H, problem.chunk_size, num_blocks=2)
-    return schedule, schedule_from_segmentation(blocks2, schedule.segmentation, "segment-summary")
+    return schedule, summary_schedule(blocks2, schedule.segmentation, first_m=init)
 
 
 _schedule_cache: dict = {}
+_POISON_SUMMARIES = False   # tests set it: fill the segmented path's summary buffer with NaN before each call
 _last_schedule = None
 _dummies: dict = {}
 
@@ -173,10 +178,11 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         q = torch.nn.functional.normalize(q.float(), dim=-1).to(q.dtype)
         k = torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype)
     scale = float(scale) if scale is not None else K ** -0.5
-    key = (scheduler, B, T, H, cu, str(device), kda, AUTO_SEGMENTS, _merge.AFFINE_MERGE_IMPL)
+    init = initial_state is not None
+    key = (scheduler, B, T, H, cu, str(device), kda, init, AUTO_SEGMENTS, _merge.AFFINE_MERGE_IMPL)
     cached = _schedule_cache.get(key)
     if cached is None:
-        cached = _schedule(scheduler, B, T, H, cu, device, kda)
+        cached = _schedule(scheduler, B, T, H, cu, device, kda, init)
         if len(_schedule_cache) > 256:
             _schedule_cache.clear()
         _schedule_cache[key] = cached
@@ -203,36 +209,37 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     g32 = g if g.dtype == torch.float32 else g.float()
     dummy = final if store_final else _dummy_state(device)
     args = (q, k, v, g32, beta, o)   # 4-D / 3-D as given: the kernel flattens B and T itself
-    init = initial_state is not None
     # A sequence of zero tokens still has a tile (zero chunks): it copies its start state to its final state.
     if summary_schedule is None:
         compiled = compile_gdn_sm90(q.dtype, beta.dtype, init, store_final, schedule.persistent, kda)
         compiled.fn(*args, initial_state if init else dummy, dummy,
                     schedule.table_on(device), schedule.num_tiles, schedule.grid[0], scale)
         return o, final if output_final_state else None
-    # Segmented forward: summaries (h_ext, M) of every segment from 0 / I, the affine merge into true start
-    # states, then every segment's outputs from its start state.
+    # Segmented forward: the summaries (h_ext, M) a start state needs, each from 0 / I (every segment but the last;
+    # the first one's M only with an initial state); the affine merge into true start states; then every segment's
+    # outputs from its start state, the last segment also storing the final state.
     from .merge import affine_merge
 
     slots = schedule.segmentation.total_segments
-    summary = torch.empty((2 * slots, H, K, V), dtype=torch.float32, device=device)
-    compiled = compile_gdn_sm90(q.dtype, beta.dtype, False, False, False, kda, mode="summary")
-    compiled.fn(*args, summary, summary, summary_schedule.table_on(device), summary_schedule.num_tiles,
-                summary_schedule.grid[0], scale)
-    merge_out = None if final is None else (torch.empty((slots, H, K, V), dtype=torch.float32, device=device), final)
-    starts, final_m = affine_merge(summary[slots:], summary[:slots], schedule.seg_offsets, initial_state,
-                                   out=merge_out)
-    compiled = compile_gdn_sm90(q.dtype, beta.dtype, True, False, False, kda, mode="segment_outputs")
+    summary = torch.empty((2 * slots, H, K, V), dtype=torch.float32, device=device)   # slots never written: unread
+    if _POISON_SUMMARIES:   # tests: NaN in every slot the summary launch does not write must not reach a result
+        summary.fill_(float("nan"))
+    if summary_schedule.num_tiles:
+        compiled = compile_gdn_sm90(q.dtype, beta.dtype, False, False, False, kda, mode="summary")
+        compiled.fn(*args, summary, summary, summary_schedule.table_on(device), summary_schedule.num_tiles,
+                    summary_schedule.grid[0], scale)
+    starts, _ = affine_merge(summary[slots:], summary[:slots], schedule.seg_offsets, initial_state, starts_only=True)
+    compiled = compile_gdn_sm90(q.dtype, beta.dtype, True, store_final, False, kda, mode="segment_outputs")
     compiled.fn(*args, starts, dummy, schedule.table_on(device), schedule.num_tiles, schedule.num_tiles, scale)
-    return o, final_m if output_final_state else None
+    return o, final if output_final_state else None
 
 
-# KDA's per-element passes in 16-byte vectors (`vec_elementwise`): compiled, not yet run on a GPU; off until the
-# KDA tests pass with it (env CUTE_KERNELS_KDA_VEC=1 turns it on).
-KDA_VEC = os.environ.get("CUTE_KERNELS_KDA_VEC", "0") == "1"
-# KDA's gates prefetched one chunk ahead (g by cp.async into shared memory, beta in a register): compiled, not yet
-# run on a GPU; off until the KDA tests pass with it (env CUTE_KERNELS_KDA_PREFETCH=1).
-KDA_PREFETCH = os.environ.get("CUTE_KERNELS_KDA_PREFETCH", "0") == "1"
+# KDA's per-element passes in 16-byte vectors (`vec_elementwise`) and its gates prefetched one chunk ahead (g by
+# cp.async into shared memory, beta in a register). Both on by default: the GPU suite passed with them (H200,
+# 2026-12-02) and together they take KDA from 26.0 to 16.4 us per chunk per CTA (B=16 H=64 T=4096: 13.3 -> 8.4 ms).
+# Env CUTE_KERNELS_KDA_VEC=0 / CUTE_KERNELS_KDA_PREFETCH=0 turn them off.
+KDA_VEC = os.environ.get("CUTE_KERNELS_KDA_VEC", "1") == "1"
+KDA_PREFETCH = os.environ.get("CUTE_KERNELS_KDA_PREFETCH", "1") == "1"
 
 # Stages left out of the kernel, for timing by subtraction only (scripts/gdn_profile.py); results are wrong.
 GDN_SKIP: tuple = ()

@@ -33,7 +33,8 @@ def _outputs(out, *specs):
 # prefetch runs 4x the CTAs of staged and each reads all of M: with many (sequence, head) pairs it loses
 # (4 x 8 segments x 16 heads: 254 us vs 111 staged). "auto" (the default): prefetch while its grid fits one
 # CTA per SM, else staged. Env CUTE_KERNELS_AFFINE_MERGE forces one. "ring" (a 3-stage cp.async ring, loads two
-# segments ahead) compiles and is not yet run on a GPU; it is meant to replace prefetch in "auto" once measured.
+# segments ahead) passes the tests but measured slower than prefetch (139.7 vs 125.3 us, 32 segments x 4 heads),
+# so "auto" never picks it.
 AFFINE_MERGE_IMPL = os.environ.get("CUTE_KERNELS_AFFINE_MERGE", "auto")
 AFFINE_MERGE_IMPLS = ("simt", "staged", "prefetch", "ring")
 _sm_counts: dict = {}
@@ -61,7 +62,8 @@ def merge_impl_for(num_seqs: int, num_heads: int, k_dim: int, v_dim: int, sms: i
     return fits[0]
 
 
-def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, impl: str | None = None, dump_dir=None):
+def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, impl: str | None = None, dump_dir=None,
+                         starts_only: bool = False):
     impl = merge_impl_for(1, 1, k_dim, v_dim, 1) if impl is None else impl
     if impl not in AFFINE_MERGE_IMPLS:
         raise ValueError(f"affine merge impl must be one of {AFFINE_MERGE_IMPLS}, got {impl!r}")
@@ -82,19 +84,22 @@ def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, impl: 
             fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
             fake_stream(),
         )
-        return AffineMerge(k_dim, v_dim, has_initial_state, impl), args
+        return AffineMerge(k_dim, v_dim, has_initial_state, impl, starts_only), args
 
-    return compile_kernel(("affine_merge", k_dim, v_dim, has_initial_state, impl), build, dump_dir=dump_dir)
+    key = ("affine_merge", k_dim, v_dim, has_initial_state, impl) + (("starts_only",) if starts_only else ())
+    return compile_kernel(key, build, dump_dir=dump_dir)
 
 
-def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None):
+def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_only=False):
     """Start state of every segment and each sequence's final state from segment summaries.
 
     M `[slots, H, K, K]` and h_ext `[slots, H, K, V]` (fp32): segment s maps its start state to its end state,
     S_end = M[s] @ S_start + h_ext[s]. `seg_offsets` `[N + 1]`: sequence n owns slots seg_offsets[n] ..
     seg_offsets[n+1] - 1, in order (a schedule's `seg_offsets`). initial_state `[N, H, K, V]` fp32 or None (zeros).
     Returns (start_states `[slots, H, K, V]`, final_state `[N, H, K, V]`), fp32; `out=(start_states,
-    final_state)` writes into given tensors instead.
+    final_state)` writes into given tensors instead. Without an initial state the first segment's M is never read.
+    `starts_only=True`: only the start states (each sequence's last summary is never read, so it may be left
+    unwritten); returns (start_states, None) and `out` is `(start_states,)`.
     """
     check_tensor("M", M, dtypes=(torch.float32,), ndim=4)
     check_tensor("h_ext", h_ext, dtypes=(torch.float32,), ndim=4)
@@ -109,14 +114,20 @@ def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None):
     if initial_state is not None:
         check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4)
         check_shape("initial_state", initial_state, (N, H, K, V))
-    start_states, final_state = _outputs(
-        out, ("start_states", (slots, H, K, V), torch.float32), ("final_state", (N, H, K, V), torch.float32), device
-    )
+    specs = [("start_states", (slots, H, K, V), torch.float32)]
+    if not starts_only:
+        specs.append(("final_state", (N, H, K, V), torch.float32))
+    outs = _outputs(out, *specs, device)
+    start_states = outs[0]
+    final_state = None if starts_only else outs[1]
     if N == 0 or H == 0:
         return start_states, final_state
-    compiled = compile_affine_merge(K, V, initial_state is not None, impl)
-    init = initial_state if initial_state is not None else final_state  # not read without initial state
-    compiled.fn(M, h_ext, offsets, init, start_states, final_state)
+    compiled = compile_affine_merge(K, V, initial_state is not None, impl, starts_only=starts_only)
+    # Stands in for the tensors the compiled variant never touches; shaped [N, H, K, V] like final_state, whose
+    # leading sizes set the grid.
+    unused = start_states[:N] if slots >= N else torch.empty((N, H, K, V), dtype=torch.float32, device=device)
+    init = initial_state if initial_state is not None else unused
+    compiled.fn(M, h_ext, offsets, init, start_states, final_state if final_state is not None else unused)
     return start_states, final_state
 
 

@@ -14,9 +14,10 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from . import wgmma_tiles
 
 from cute_kernels.reference.kda_intra import ANCHOR_LIMIT_LOG2
 from schedulers.device import TileScheduler
@@ -30,22 +31,8 @@ LOG2E = math.log2(math.e)
 KDA_ANCHOR_LIMIT = ANCHOR_LIMIT_LOG2
 
 
-def _smem_layout(rows: int, cols: int, dtype, stages: int = 1, mn_view: bool = False):
-    """Swizzled smem layout of `stages` row-major [rows, cols] 16-bit tiles, indexed (row, col, stage).
-
-    As built it is a K-major wgmma A (M=rows, K=cols). With `mn_view` the same bytes are indexed
-    (col, row, stage): an MN-major A (M=cols, K=rows) or MN-major B (N=cols, K=rows). For 128-byte swizzled
-    16-bit tiles both views map every element to the same address (tests/test_gdn_sm90.py checks it).
-    """
-    from cutlass.tensor_utils import LayoutEnum
-
-    if mn_view:
-        return sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (cols, 64, rows), dtype, stages)
-    return sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (rows, 64, cols), dtype, stages)
-
-
-def _one(layout):
-    return cute.slice_(layout, (None, None, 0))
+_smem_layout = wgmma_tiles.smem_layout
+_one = wgmma_tiles.first_stage
 
 
 class ChunkGatedDeltaRuleFwdSm90:
@@ -277,7 +264,6 @@ class ChunkGatedDeltaRuleFwdSm90:
 
     @cute.jit
     def consumer(self, sched, load, j, ctid, mG, mBeta, mO, mS0, mSN, scale, st):
-        io = self.io_dtype
         kda = self.kda
         outputs = self.mode != "summary"
         wtid = ctid % 128                       # thread index inside this consumer warpgroup
@@ -770,7 +756,6 @@ class ChunkGatedDeltaRuleFwdSm90:
         cute_kernels/reference/kda_intra.py.
         """
         io = self.io_dtype
-        outputs = self.mode != "summary"
         sLq = self.view(st.sKb, C, 128)[None, None, 0]      # left factors of the q rows (K-major A)
         sR = self.view(st.sVnew, 16, 128)[None, None, 0]    # right factor of one column block
         exact = sFlag[0] != 0
@@ -928,53 +913,16 @@ class ChunkGatedDeltaRuleFwdSm90:
 
     @cute.jit
     def store_acc(self, wtid, tiled_mma, acc, dst):
-        """Accumulator (fp32 registers of `tiled_mma`'s C layout) -> 16-bit smem tile `dst` with stmatrix."""
-        atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.io_dtype)
-        tiled = cute.make_tiled_copy_C(atom, tiled_mma)
-        thr = tiled.get_slice(wtid)
-        frag = cute.make_rmem_tensor_like(acc, self.io_dtype)
-        frag.store(acc.load().to(self.io_dtype))
-        cute.copy(tiled, tiled.retile(frag), thr.partition_D(dst))
+        wgmma_tiles.store_acc(self.io_dtype, wtid, tiled_mma, acc, dst)
 
     @cute.jit
     def store_rows(self, wtid, sO, mO, t0, head, v0, L):
-        """This warpgroup's o tile [64 tokens x 64] from smem to o[t0 + r, head, v0:v0+64] for r < L, 16 B each."""
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.io_dtype, num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, 8)))
-        thr = tiled.get_slice(wtid)
-        gO = cute.local_tile(cute.domain_offset((t0, cute.assume(v0, divby=HALF)), mO[None, head, None]), (C, HALF), (0, 0))
-        src = thr.partition_S(sO)
-        dst = thr.partition_D(gO)
-        rows = thr.partition_S(cute.make_identity_tensor((C, HALF)))
-        for m in cutlass.range_constexpr(cute.size(src, mode=[1])):
-            r, _ = rows[(0, 0), m, 0]
-            if r < L:
-                cute.copy(tiled, src[None, m, None], dst[None, m, None])
+        wgmma_tiles.store_rows(self.io_dtype, wtid, sO, mO, t0, head, v0, L)
 
     def make_mma(self, a_mn_major: bool, b_mn_major: bool, n: int = 64):
-        """A one-warpgroup tiled MMA with (64 x n x 16) atoms, bf16/fp16 operands from smem, fp32 acc."""
-        major = lambda mn: warpgroup.OperandMajorMode.MN if mn else warpgroup.OperandMajorMode.K
-        op = warpgroup.MmaF16BF16Op(self.io_dtype, Float32, (64, n, 16), warpgroup.OperandSource.SMEM,
-                                    major(a_mn_major), major(b_mn_major))
-        return cute.make_tiled_mma(cute.make_mma_atom(op), (1, 1, 1))
+        return wgmma_tiles.make_mma(self.io_dtype, a_mn_major, b_mn_major, n)
 
     @cute.jit
     def gemm(self, wtid, acc, sA, sB, a_mn_major: bool, b_mn_major: bool, accumulate: bool, n: int = 64,
              wait: bool = True):
-        """acc (+)= A B on one warpgroup (A: (M, K), B: (N, K) smem views); waits for it unless `wait=False`
-        (then the caller's `warpgroup.wait_group(0)` does).
-
-        The tiled MMA is built here, not shared: its accumulate flag is IR state that must be defined in
-        the control-flow region that uses it.
-        """
-        tiled_mma = self.make_mma(a_mn_major, b_mn_major, n)
-        thr = tiled_mma.get_slice(wtid)
-        tCrA = tiled_mma.make_fragment_A(thr.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr.partition_B(sB))
-        warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate or kb != 0)
-            cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
-        warpgroup.commit_group()
-        if cutlass.const_expr(wait):
-            warpgroup.wait_group(0)
+        wgmma_tiles.gemm(self.io_dtype, wtid, acc, sA, sB, a_mn_major, b_mn_major, accumulate, n, wait)

@@ -1,0 +1,97 @@
+"""Small SM90 building blocks shared by the chunked linear-attention kernels: swizzled 16-bit smem tiles,
+one-warpgroup wgmma products on them, and the accumulator -> smem -> global epilogue.
+
+Every product here is issued by one warpgroup (128 threads, `wtid` = thread index inside it) with 64 x n x 16
+wgmma atoms, bf16/fp16 operands in shared memory and an fp32 register accumulator.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32
+from cutlass.cute.nvgpu import warp, warpgroup
+
+
+def smem_layout(rows: int, cols: int, dtype, stages: int = 1, mn_view: bool = False):
+    """Swizzled smem layout of `stages` row-major [rows, cols] 16-bit tiles, indexed (row, col, stage).
+
+    As built it is a K-major wgmma A (M=rows, K=cols). With `mn_view` the same bytes are indexed
+    (col, row, stage): an MN-major A (M=cols, K=rows) or MN-major B (N=cols, K=rows). For 128-byte swizzled
+    16-bit tiles both views map every element to the same address (tests/test_gdn_sm90.py checks it).
+    """
+    from cutlass.tensor_utils import LayoutEnum
+
+    if mn_view:
+        return sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (cols, 64, rows), dtype, stages)
+    return sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (rows, 64, cols), dtype, stages)
+
+
+def first_stage(layout):
+    """The (row, col) layout of stage 0 of a `smem_layout`."""
+    return cute.slice_(layout, (None, None, 0))
+
+
+def smem_view(field, io_dtype, rows, cols, stages=1, mn_view=False):
+    """(row, col, stage) view of a swizzled 16-bit smem struct field (see `smem_layout`)."""
+    layout = smem_layout(rows, cols, io_dtype, stages, mn_view)
+    return field.get_tensor(layout.outer, swizzle=layout.inner)
+
+
+def make_mma(io_dtype, a_mn_major: bool, b_mn_major: bool, n: int = 64):
+    """A one-warpgroup tiled MMA with (64 x n x 16) atoms, 16-bit operands from smem, fp32 accumulator."""
+    major = lambda mn: warpgroup.OperandMajorMode.MN if mn else warpgroup.OperandMajorMode.K
+    op = warpgroup.MmaF16BF16Op(io_dtype, Float32, (64, n, 16), warpgroup.OperandSource.SMEM,
+                                major(a_mn_major), major(b_mn_major))
+    return cute.make_tiled_mma(cute.make_mma_atom(op), (1, 1, 1))
+
+
+@cute.jit
+def gemm(io_dtype, wtid, acc, sA, sB, a_mn_major: bool, b_mn_major: bool, accumulate: bool, n: int = 64,
+         wait: bool = True):
+    """acc (+)= A B on one warpgroup (A: (M, K), B: (N, K) smem views); waits for it unless `wait=False`
+    (then the caller's `warpgroup.wait_group(0)` does).
+
+    The tiled MMA is built here, not shared: its accumulate flag is IR state that must be defined in the
+    control-flow region that uses it.
+    """
+    tiled_mma = make_mma(io_dtype, a_mn_major, b_mn_major, n)
+    thr = tiled_mma.get_slice(wtid)
+    tCrA = tiled_mma.make_fragment_A(thr.partition_A(sA))
+    tCrB = tiled_mma.make_fragment_B(thr.partition_B(sB))
+    warpgroup.fence()
+    for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate or kb != 0)
+        cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wait):
+        warpgroup.wait_group(0)
+
+
+@cute.jit
+def store_acc(io_dtype, wtid, tiled_mma, acc, dst):
+    """Accumulator (fp32 registers of `tiled_mma`'s C layout) -> 16-bit smem tile `dst` with stmatrix."""
+    atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), io_dtype)
+    tiled = cute.make_tiled_copy_C(atom, tiled_mma)
+    thr = tiled.get_slice(wtid)
+    frag = cute.make_rmem_tensor_like(acc, io_dtype)
+    frag.store(acc.load().to(io_dtype))
+    cute.copy(tiled, tiled.retile(frag), thr.partition_D(dst))
+
+
+@cute.jit
+def store_rows(io_dtype, wtid, sO, mO, t0, head, v0, L):
+    """A warpgroup's [64 x 64] 16-bit tile from smem to mO[t0 + r, head, v0 : v0 + 64] for r < L, in 16-byte
+    vectors (mO: a [tokens, H, D] tensor; 128 threads as 16 rows x 8 vectors per pass)."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), io_dtype, num_bits_per_copy=128)
+    tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, 8)))
+    thr = tiled.get_slice(wtid)
+    gO = cute.local_tile(cute.domain_offset((t0, cute.assume(v0, divby=64)), mO[None, head, None]), (64, 64), (0, 0))
+    src = thr.partition_S(sO)
+    dst = thr.partition_D(gO)
+    coords = thr.partition_S(cute.make_identity_tensor((64, 64)))
+    for m in cutlass.range_constexpr(cute.size(src, mode=[1])):
+        r, _ = coords[(0, 0), m, 0]
+        if r < L:
+            cute.copy(tiled, src[None, m, None], dst[None, m, None])

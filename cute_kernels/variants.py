@@ -102,6 +102,15 @@ def _variants() -> list[Variant]:
                 ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"),
                 archs=("sm_90a",),
             ))
+    from .ops.two_phase import compile_state_pass
+
+    for kda in (False, True):
+        out.append(Variant(   # the two-phase path's state pass (issue 5, experimental)
+            "chunk_kda" if kda else "chunk_gated_delta_rule", f"{'kda' if kda else 'gdn'}_state_pass_sm90_bfloat16",
+            lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, True, True, dump_dir=d),
+            ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"),
+            archs=("sm_90a",),
+        ))
     try:
         from schedulers.probe import probe_variants
     except ImportError:

@@ -1,0 +1,287 @@
+"""SM90 (Hopper) state pass of a two-phase chunked gated delta rule (GDN or KDA): phase 2 of the design in
+NOTES.md ("Issue 5: a parallel chunk-prep phase").
+
+Phase 1 (parallel over every chunk of every sequence and head) leaves the chunk-local terms of the chunked form
+(`cute_kernels.reference.chunk_gated_delta_rule_ref`) in global memory; this kernel runs only what depends on the
+state, chunk after chunk, for one V block of one (sequence, head, segment) per work tile.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from schedulers.device import TileScheduler
+
+from . import wgmma_tiles as wt
+
+C = 64          # chunk length (tokens)
+V_BLOCK = 64    # V columns of the state per work tile (the tile's `block` picks which)
+K_DIM = 128
+NUM_STAGES = 2
+
+
+class ChunkStatePassSm90:
+    """Phase 2: per work tile (sequence, head, segment = chunk range, block = 64 V columns), for each chunk
+
+        v_new = u - w S                    (rows past the chunk end -> 0)
+        o     = qg S + Aqk v_new           (rows < L stored)
+        S     = diag(exp(G_last)) S + kg^T v_new
+
+    with S the [128 x 64] fp32 state block, from phase 1's terms (all [tokens, H, D], tokens = B * T flattened):
+    qg = scale exp(G) q, w, kg = exp(G_last - G) k ([.., 128], 16-bit), u ([.., V], 16-bit), aqk ([.., 64],
+    16-bit: row r of a chunk holds Aqk[r, :], zero above the diagonal) and eg ([tokens, H] GDN, [tokens, H, 128]
+    KDA, fp32: exp(G_r) inside the chunk; only each chunk's last row is read).
+
+    Warp roles (256 threads, 2 warpgroups):
+    - warpgroup 0, warp 0: producer. TMA (`cp.async.bulk.tensor`) of the qg, w, kg tiles [64 x 128] and the u,
+      aqk tiles [64 x 64] of one chunk into a `num_stages`-deep ring (64 KB per stage). Registers lowered to 40.
+    - warpgroup 1: consumer (registers raised to 232). Holds S in wgmma accumulator registers for the whole tile,
+      a bf16 copy of it in smem as the B operand; issues w S and qg S together, then Aqk v_new and the state
+      update together (one commit each).
+    Pipelines: `PipelineTmaAsync` ring (producer = 1 thread, consumer = 4 warps); named barrier 1 for the
+    consumer warpgroup between its phases.
+
+    Modes (compile time): `forward` (start from initial_state[seq] or 0; final_state[seq] after the last segment
+    if `store_final_state`) and `segment_outputs` (start from start_states[seg_slot], same outputs).
+    """
+
+    def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
+                 mode: str = "forward", num_stages: int = NUM_STAGES):
+        if mode not in ("forward", "segment_outputs"):
+            raise ValueError(f"mode must be 'forward' or 'segment_outputs', got {mode!r}")
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        self.io_dtype = io_dtype
+        self.kda = kda
+        self.has_initial_state = has_initial_state
+        self.store_final_state = store_final_state
+        self.mode = mode
+        self.num_stages = num_stages
+        self.num_threads = 256
+        self.tma_bytes = (3 * C * K_DIM + 2 * C * V_BLOCK) * io_dtype.width // 8
+
+    @cute.jit
+    def __call__(
+        self,
+        qg: cute.Tensor,             # [B, T, H, 128]
+        w: cute.Tensor,              # [B, T, H, 128]
+        u: cute.Tensor,              # [B, T, H, V]
+        kg: cute.Tensor,             # [B, T, H, 128]
+        aqk: cute.Tensor,            # [B, T, H, 64]
+        eg: cute.Tensor,             # [B, T, H] fp32 (KDA: [B, T, H, 128])
+        o: cute.Tensor,              # [B, T, H, V]
+        initial_state: cute.Tensor,  # [N, H, 128, V] fp32 (forward, if has_initial_state); segment_outputs: [slots, ..]
+        final_state: cute.Tensor,    # [N, H, 128, V] fp32 (if store_final_state)
+        tiles: cute.Tensor,          # [num_tiles, NUM_TILE_FIELDS] int32
+        num_tiles: Int32,
+        grid_x: Int32,
+        stream,
+    ):
+        io = self.io_dtype
+
+        def flat(t):   # [B, T, ...] -> [B * T, ...] (contiguous inputs: B's stride is T times T's)
+            return cute.make_tensor(
+                t.iterator,
+                cute.make_layout((t.shape[0] * t.shape[1],) + tuple(t.shape[2:]),
+                                 stride=(t.stride[1],) + tuple(t.stride[2:])),
+            )
+
+        def thd(t):    # (tokens, D, H) view for TMA
+            return cute.make_tensor(
+                t.iterator,
+                cute.make_layout((t.shape[0], t.shape[2], t.shape[1]), stride=(t.stride[0], t.stride[2], t.stride[1])),
+            )
+
+        qg, w, u, kg, aqk, eg, o = flat(qg), flat(w), flat(u), flat(kg), flat(aqk), flat(eg), flat(o)
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        wide = wt.first_stage(wt.smem_layout(C, K_DIM, io))
+        narrow = wt.first_stage(wt.smem_layout(C, V_BLOCK, io))
+        tma_qg, tma_qg_t = cpasync.make_tiled_tma_atom(op, thd(qg), wide, (C, K_DIM))
+        tma_w, tma_w_t = cpasync.make_tiled_tma_atom(op, thd(w), wide, (C, K_DIM))
+        tma_kg, tma_kg_t = cpasync.make_tiled_tma_atom(op, thd(kg), wide, (C, K_DIM))
+        tma_u, tma_u_t = cpasync.make_tiled_tma_atom(op, thd(u), narrow, (C, V_BLOCK))
+        tma_a, tma_a_t = cpasync.make_tiled_tma_atom(op, thd(aqk), narrow, (C, V_BLOCK))
+
+        stages = self.num_stages
+
+        @cute.struct
+        class SharedStorage:
+            load_mbar: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            sQg: cute.struct.Align[cute.struct.MemRange[io, C * K_DIM * stages], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[io, C * K_DIM * stages], 1024]
+            sKg: cute.struct.Align[cute.struct.MemRange[io, C * K_DIM * stages], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[io, C * V_BLOCK * stages], 1024]
+            sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C * stages], 1024]
+            sS: cute.struct.Align[cute.struct.MemRange[io, K_DIM * V_BLOCK], 1024]      # bf16 copy of S (k, v)
+            sVnew: cute.struct.Align[cute.struct.MemRange[io, C * V_BLOCK], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[io, C * V_BLOCK], 1024]
+            sDecay: cute.struct.MemRange[Float32, K_DIM]                               # exp(G_last) per row of S
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB of an SM90 CTA"
+        self.kernel(tma_qg, tma_qg_t, tma_w, tma_w_t, tma_kg, tma_kg_t, tma_u, tma_u_t, tma_a, tma_a_t,
+                    eg, o, initial_state, final_state, tiles, num_tiles).launch(
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_qg: cute.CopyAtom, mQg: cute.Tensor,
+        tma_w: cute.CopyAtom, mW: cute.Tensor,
+        tma_kg: cute.CopyAtom, mKg: cute.Tensor,
+        tma_u: cute.CopyAtom, mU: cute.Tensor,
+        tma_a: cute.CopyAtom, mA: cute.Tensor,
+        mEg: cute.Tensor, mO: cute.Tensor, mS0: cute.Tensor, mSN: cute.Tensor,
+        mTiles: cute.Tensor, num_tiles: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.shared_storage)
+        io, ns = self.io_dtype, self.num_stages
+
+        load = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.load_mbar.data_ptr(),
+            num_stages=ns,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            tx_count=self.tma_bytes,
+        )
+        sched = TileScheduler.create(mTiles, num_tiles, False)
+        sQg = wt.smem_view(st.sQg, io, C, K_DIM, ns)                 # (token, channel, stage)
+        sW = wt.smem_view(st.sW, io, C, K_DIM, ns)
+        sKg_mn = wt.smem_view(st.sKg, io, C, K_DIM, ns, True)        # (channel, token, stage)
+        sU = wt.smem_view(st.sU, io, C, V_BLOCK, ns)                 # (token, v, stage)
+        sA = wt.smem_view(st.sAqk, io, C, C, ns)                     # (token r, token i, stage)
+
+        if warp_idx == 0:
+            for atom in (tma_qg, tma_w, tma_kg, tma_u, tma_a):
+                cpasync.prefetch_descriptor(atom)
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(40)
+            if warp_idx == 0:
+                self.producer(sched, load, ((tma_qg, mQg, sQg, K_DIM, False), (tma_w, mW, sW, K_DIM, False),
+                                            (tma_kg, mKg, wt.smem_view(st.sKg, io, C, K_DIM, ns), K_DIM, False),
+                                            (tma_u, mU, sU, V_BLOCK, True), (tma_a, mA, sA, C, False)))
+        else:
+            cute.arch.setmaxregister_increase(232)
+            self.consumer(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
+
+    @cute.jit
+    def producer(self, sched, load, loads):
+        """One chunk per ring stage: the five tiles of `loads` ((atom, tensor, smem, columns, by_block): the column
+        tile is the work tile's V block where `by_block` (u), else 0)."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        work = sched.initial_work()
+        while work.is_valid:
+            head = work.head
+            tok0 = work.tok_start
+            blk = work.block
+            for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
+                load.producer_acquire(state)
+                bar = load.producer_get_barrier(state)
+                for tma, m, s, cols, by_block in loads:
+                    col_tile = blk if by_block else 0
+                    g_head = cute.domain_offset((tok0 + c * C, 0), m[None, None, head])
+                    g_tile = cute.local_tile(g_head, (C, cols), (0, col_tile))
+                    s_part, g_part = cpasync.tma_partition(
+                        tma, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g_tile, 0, 2),
+                    )
+                    cute.copy(tma, g_part, s_part[(None, state.index)], tma_bar_ptr=bar)
+                state.advance()
+            work = sched.advance(work)
+        load.producer_tail(state)
+
+    @cute.jit
+    def consumer(self, sched, load, wtid, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st):
+        io = self.io_dtype
+        sS = wt.smem_view(st.sS, io, K_DIM, V_BLOCK)[None, None, 0]          # (k, v)
+        sS_mn = wt.smem_view(st.sS, io, K_DIM, V_BLOCK, 1, True)[None, None, 0]  # (v, k): B of x S
+        sVnew = wt.smem_view(st.sVnew, io, C, V_BLOCK)[None, None, 0]      # (token, v)
+        sVnew_mn = wt.smem_view(st.sVnew, io, C, V_BLOCK, 1, True)[None, None, 0]  # (v, token)
+        sO = wt.smem_view(st.sO, io, C, V_BLOCK)[None, None, 0]
+        sDecay = st.sDecay.get_tensor(cute.make_layout(K_DIM))
+
+        mma64 = wt.make_mma(io, False, True)
+        mma_s = wt.make_mma(io, True, True)
+        thr_ab = mma64.get_slice(wtid)
+        thr_s = mma_s.get_slice(wtid)
+        cc_ab = thr_ab.partition_C(cute.make_identity_tensor((C, V_BLOCK)))
+        cc_s = thr_s.partition_C(cute.make_identity_tensor((K_DIM, V_BLOCK)))
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((K_DIM, V_BLOCK)), Float32)
+        acc = cute.make_rmem_tensor(thr_ab.partition_shape_C((C, V_BLOCK)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_ab.partition_shape_C((C, V_BLOCK)), Float32)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+
+        work = sched.initial_work()
+        while work.is_valid:
+            seq = work.seq
+            head = work.head
+            v0 = work.block * V_BLOCK
+            tok0 = work.tok_start
+            tok_end = work.tok_end
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                r, cidx = cc_s[i]
+                if cutlass.const_expr(self.mode == "segment_outputs"):
+                    acc_s[i] = mS0[work.seg_slot, head, r, v0 + cidx]
+                elif cutlass.const_expr(self.has_initial_state):
+                    acc_s[i] = mS0[seq, head, r, v0 + cidx]
+                else:
+                    acc_s[i] = Float32(0.0)
+            wt.store_acc(io, wtid, mma_s, acc_s, sS)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+
+            for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
+                t0 = tok0 + c * C
+                L = tok_end - t0
+                if L > C:
+                    L = Int32(C)
+                # exp(G_last) of this chunk for state row wtid (read once the previous chunk's rows are used).
+                if cutlass.const_expr(self.kda):
+                    sDecay[wtid] = mEg[t0 + L - 1, head, wtid]
+                else:
+                    sDecay[wtid] = mEg[t0 + L - 1, head]
+                load.consumer_wait(state)
+                stage = state.index
+                # w S (-> v_new) and qg S (o's inter-chunk part), one commit.
+                wt.gemm(io, wtid, acc, sW[None, None, stage], sS_mn, False, True, False, wait=False)
+                wt.gemm(io, wtid, acc_o, sQg[None, None, stage], sS_mn, False, True, False, wait=False)
+                warpgroup.wait_group(0)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    r, cidx = cc_ab[i]
+                    val = Float32(sU[r, cidx, stage]) - acc[i]
+                    acc[i] = cutlass.select_(r < L, val, Float32(0.0))
+                wt.store_acc(io, wtid, mma64, acc, sVnew)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                # o += Aqk v_new and S <- diag(exp(G_last)) S + kg^T v_new, one commit.
+                wt.gemm(io, wtid, acc_o, sA[None, None, stage], sVnew_mn, False, True, True, wait=False)
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    r, cidx = cc_s[i]
+                    acc_s[i] = acc_s[i] * sDecay[r]
+                wt.gemm(io, wtid, acc_s, sKg_mn[None, None, stage], sVnew_mn, True, True, True, wait=False)
+                warpgroup.wait_group(0)
+                load.consumer_release(state)
+                state.advance()
+                cute.arch.barrier(barrier_id=1, number_of_threads=128)   # every product has read sS and sVnew
+                wt.store_acc(io, wtid, mma64, acc_o, sO)
+                wt.store_acc(io, wtid, mma_s, acc_s, sS)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                wt.store_rows(io, wtid, sO, mO, t0, head, v0, L)
+
+            if cutlass.const_expr(self.store_final_state):
+                if work.is_last_segment:
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        r, cidx = cc_s[i]
+                        mSN[seq, head, r, v0 + cidx] = acc_s[i]
+            work = sched.advance(work)

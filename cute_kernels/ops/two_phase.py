@@ -1,0 +1,192 @@
+"""Two-phase chunked forward (experimental, issue 5; design in NOTES.md "a parallel chunk-prep phase").
+
+Phase 1 computes every chunk's local terms in parallel; phase 2 (`ChunkStatePassSm90`) runs only the state
+recurrence, one CTA per (sequence, head, 64 V columns). Here phase 1 is plain torch (fp32, batched over chunks):
+it makes phase 2 testable and measurable on its own; a CuTe phase-1 kernel replaces it later.
+
+    prep = chunk_prep_torch(q, k, v, g, beta, scale, kda=...)   # PrepTerms
+    o, final = state_pass(prep, initial_state, output_final_state)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checks import check_cuda, check_shape, check_tensor
+
+C = 64
+
+
+@dataclass
+class PrepTerms:
+    """Phase 1's output for a fixed-length batch, all [B, T, H, D] contiguous (16-bit unless noted).
+
+    qg = scale exp(G) q; w = T (exp(G) k); u = T v; kg = exp(G_last - G) k; aqk[b, t, h, :] = row t - t0 of its
+    chunk's Aqk (zero above the diagonal and past the chunk end); eg (fp32) = exp(G) per token ([B, T, H] GDN,
+    [B, T, H, K] KDA). G: the cumulative log decay inside the chunk, T = (I + Akk)^-1 diag(beta): the chunked form
+    of `cute_kernels.reference.chunk_gated_delta_rule_ref`.
+    """
+
+    qg: torch.Tensor
+    w: torch.Tensor
+    u: torch.Tensor
+    kg: torch.Tensor
+    aqk: torch.Tensor
+    eg: torch.Tensor
+    kda: bool
+
+
+def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step: int = 32) -> PrepTerms:
+    """Phase 1 in torch, fp32 (fixed-length [B, T, H, D] inputs, K = 128). Chunks are processed `chunks_per_step`
+    (x B x H) at a time to bound the [64, 64, K] pairwise decays of KDA."""
+    from ..reference.linear_attention import _chunk_terms
+
+    B, T, H, K = k.shape
+    if K != 128 or v.shape[-1] % 64 or q.shape != k.shape:
+        raise ValueError(f"two-phase path: q, k [B, T, H, 128] and V a multiple of 64, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    nc = -(-T // C)
+    pad = nc * C - T
+
+    def chunked(x, fill=0.0):   # [B, T, H, ...] fp32 -> [B, nc, H, C, ...]
+        x = x.float()
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, pad), value=fill)
+        x = x.reshape(B, nc, C, *x.shape[2:])
+        return x.movedim(2, 3)
+
+    qc, kc, vc, gc, bc = chunked(q), chunked(k), chunked(v), chunked(g), chunked(beta)
+    out = {name: [] for name in ("qg", "w", "u", "kg", "aqk", "eg")}
+    for c0 in range(0, nc, chunks_per_step):
+        sl = slice(c0, min(c0 + chunks_per_step, nc))
+        n = sl.stop - sl.start
+        flat = lambda x: x[:, sl].reshape(B * n, *x.shape[2:])   # noqa: E731
+        qs, ks, vs, gs, bs = flat(qc), flat(kc), flat(vc), flat(gc), flat(bc)
+        t = _chunk_terms(ks, vs, gs, bs, kda)
+        if kda:
+            aqk = scale * torch.einsum("nhrd,nhid,nhrid->nhri", qs, ks, t.decay)
+        else:
+            aqk = scale * (qs @ ks.transpose(-1, -2)) * t.decay
+        parts = {"qg": scale * t.eG * qs, "w": t.w, "u": t.u, "kg": t.kg, "aqk": aqk,
+                 "eg": t.eG if kda else t.eG[..., 0]}
+        for name, x in parts.items():
+            out[name].append(x.reshape(B, n, *x.shape[1:]))
+
+    def tokens(x, dtype):   # [B, nc, H, C, ...] -> [B, T, H, ...]
+        x = torch.cat(x, dim=1).movedim(3, 2)
+        x = x.reshape(B, nc * C, *x.shape[3:])[:, :T]
+        return x.to(dtype).contiguous()
+
+    io = q.dtype
+    return PrepTerms(tokens(out["qg"], io), tokens(out["w"], io), tokens(out["u"], io), tokens(out["kg"], io),
+                     tokens(out["aqk"], io), tokens(out["eg"], torch.float32), kda)
+
+
+def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
+                       mode: str = "forward", dump_dir=None):
+    """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed)."""
+    from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
+
+    key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode)
+
+    def build():
+        from schedulers.problem import NUM_TILE_FIELDS
+
+        from ..runtime.arch import import_cutlass
+
+        cutlass = import_cutlass()  # sets CUTE_DSL_ARCH before the kernel module imports cutlass
+        from ..kernels.sm90.state_pass import ChunkStatePassSm90
+
+        io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
+        kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode)
+        wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
+        args = (
+            wide(), wide(), wide(), wide(),                      # qg, w, u, kg
+            fake_tensor(io, (DYN, DYN, DYN, 64)),                # aqk
+            fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN), align=4),   # eg
+            wide(),                                              # o
+            fake_tensor(f32, (DYN, DYN, 128, 128)),
+            fake_tensor(f32, (DYN, DYN, 128, 128)),
+            fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            fake_stream(),
+        )
+        return kernel, args
+
+    return compile_kernel(key, build, dump_dir=dump_dir)
+
+
+_schedules: dict = {}
+
+
+def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = False, *, out=None):
+    """Phase 2 on the GPU: o [B, T, H, V] (prep's dtype) and the final state [B, H, K, V] fp32 (or None), one CTA
+    per (sequence, head, 64 V columns). `out=(o, final_state)` writes into given tensors."""
+    from schedulers import Problem, SequenceScheduler
+
+    B, T, H, K = prep.w.shape
+    V = prep.u.shape[-1]
+    if K != 128 or V % 64:
+        raise ValueError(f"state_pass supports K = 128 and V a multiple of 64, got K={K}, V={V}")
+    for name in ("qg", "w", "kg"):
+        check_shape(name, getattr(prep, name), (B, T, H, K))
+    check_shape("aqk", prep.aqk, (B, T, H, C))
+    check_shape("eg", prep.eg, (B, T, H, K) if prep.kda else (B, T, H))
+    device = check_cuda(qg=prep.qg, w=prep.w, u=prep.u, kg=prep.kg, aqk=prep.aqk, eg=prep.eg)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4)
+        check_shape("initial_state", initial_state, (B, H, K, V))
+    if out is not None:
+        o, final = out
+        check_tensor("out[o]", o, dtypes=(prep.u.dtype,), ndim=4)
+        check_shape("out[o]", o, (B, T, H, V))
+        if final is not None:
+            check_tensor("out[final_state]", final, dtypes=(torch.float32,), ndim=4)
+            check_shape("out[final_state]", final, (B, H, K, V))
+    else:
+        o = torch.empty_like(prep.u)
+        final = torch.empty((B, H, K, V), dtype=torch.float32, device=device) if output_final_state else None
+    key = (B, T, H, V, str(device))
+    schedule = _schedules.get(key)
+    if schedule is None:
+        schedule = _schedules[key] = SequenceScheduler().schedule(Problem.fixed(B, T, H, num_blocks=V // 64))
+    dummy = final if final is not None else o.new_empty((1, 1, K, V), dtype=torch.float32)
+    compiled = compile_state_pass(prep.u.dtype, prep.kda, initial_state is not None, final is not None)
+    compiled.fn(prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg, o,
+                initial_state if initial_state is not None else dummy, dummy,
+                schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
+    return o, final
+
+
+def state_pass_torch(prep: PrepTerms, initial_state=None):
+    """Phase 2's contract in torch (fp32, chunk by chunk), for CPU tests of phase 1 and of the kernel's math."""
+    B, T, H, K = prep.w.shape
+    V = prep.u.shape[-1]
+    S = (initial_state.float().clone() if initial_state is not None
+         else torch.zeros(B, H, K, V, dtype=torch.float32, device=prep.w.device))
+    o = torch.empty(B, T, H, V, dtype=torch.float32, device=prep.w.device)
+    f = lambda x, t0, t1: x[:, t0:t1].float().transpose(1, 2)   # noqa: E731  [B, H, L, D]
+    for t0 in range(0, T, C):
+        t1 = min(t0 + C, T)
+        L = t1 - t0
+        w, u, qg, kg = f(prep.w, t0, t1), f(prep.u, t0, t1), f(prep.qg, t0, t1), f(prep.kg, t0, t1)
+        aqk = f(prep.aqk, t0, t1)[..., :L]
+        v_new = u - w @ S
+        o[:, t0:t1] = (qg @ S + aqk @ v_new).transpose(1, 2)
+        decay = prep.eg[:, t1 - 1].float()   # [B, H] or [B, H, K]
+        S = (decay[..., None] if prep.kda else decay[..., None, None]) * S + kg.transpose(-1, -2) @ v_new
+    return o, S
+
+
+def chunk_gated_delta_rule_two_phase(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                     *, kda: bool = False):
+    """GDN (or KDA with `kda=True`) forward through the two phases (experimental: phase 1 in torch). Fixed-length
+    [B, T, H, D] inputs, K = 128, V a multiple of 64, SM90."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, dtypes=(torch.bfloat16, torch.float16), ndim=4)
+    prep = chunk_prep_torch(q, k, v, g, beta, scale, kda=kda)
+    return state_pass(prep, initial_state, output_final_state)

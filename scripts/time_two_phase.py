@@ -1,0 +1,60 @@
+"""Time the two-phase path's state pass (phase 2 only; phase 1 precomputed in torch) next to FLA and our fused
+forward, all as GPU time from CUDA-graph replay (no host gaps). Prints one line per (op, B, H, T): the state pass
+in us and us per chunk along the serial chain, FLA, ours fused (default scheduler), and their ratios.
+
+    python3 scripts/time_two_phase.py            # on the H200, after the wheelhouse install
+"""
+
+import torch
+
+from benchmarks import ops
+from cute_kernels.ops import two_phase
+
+CELLS = [(1, 4, 1024), (1, 4, 4096), (1, 4, 8192), (1, 4, 16384), (2, 16, 8192), (8, 8, 4096)]
+
+
+def graph_us(fn, calls: int = 10, reps: int = 5) -> float:
+    """GPU time per call: `calls` calls captured in one CUDA graph, replayed `reps` times (median)."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    for op in ("gdn", "kda"):
+        kda = op == "kda"
+        _, peer = ops.load_peer(op)
+        ours, _ = ops.load_ours(op)
+        for B, H, T in CELLS:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            prep = two_phase.chunk_prep_torch(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda)
+            t2 = graph_us(lambda: two_phase.state_pass(prep, None, True))
+            tf = graph_us(lambda: peer(x))
+            to = graph_us(lambda: ops.call_ours(op, ours, x))
+            chunks = -(-T // 64)
+            print(f"{op} B={B} H={H} T={T}: state pass {t2:.1f} us ({t2 / chunks:.2f} us/chunk) | FLA {tf:.1f} us | "
+                  f"ours fused {to:.1f} us | FLA/state-pass {tf / t2:.2f}x, FLA/fused {tf / to:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -35,6 +35,23 @@ _smem_layout = wgmma_tiles.smem_layout
 _one = wgmma_tiles.first_stage
 
 
+def flat(t):
+    """[B, T, ...] -> [B * T, ...]: the ops pass contiguous tensors, so B's stride is T times T's (flattening in the
+    kernel keeps tensor views off the host's per-call path)."""
+    return cute.make_tensor(
+        t.iterator,
+        cute.make_layout((t.shape[0] * t.shape[1],) + tuple(t.shape[2:]), stride=(t.stride[1],) + tuple(t.stride[2:])),
+    )
+
+
+def thd(t):
+    """A [tokens, H, D] tensor as (tokens, D, H), the per-head 2-D tiles TMA loads."""
+    return cute.make_tensor(
+        t.iterator,
+        cute.make_layout((t.shape[0], t.shape[2], t.shape[1]), stride=(t.stride[0], t.stride[2], t.stride[1])),
+    )
+
+
 class ChunkGatedDeltaRuleFwdSm90:
     """Fused GDN / KDA forward on Hopper: one CTA per work tile (sequence, head, chunk range), state on chip.
 
@@ -125,33 +142,32 @@ class ChunkGatedDeltaRuleFwdSm90:
         scale: Float32,
         stream,
     ):
-        io = self.io_dtype
-
-        # [B, T, ...] -> [B * T, ...]: the ops pass contiguous tensors, so B's stride is T times T's (flattening
-        # here keeps six tensor views off the host's per-call path).
-        def flat(t):
-            return cute.make_tensor(
-                t.iterator,
-                cute.make_layout((t.shape[0] * t.shape[1],) + tuple(t.shape[2:]),
-                                 stride=(t.stride[1],) + tuple(t.stride[2:])),
-            )
-
         q, k, v, g, beta, o = flat(q), flat(k), flat(v), flat(g), flat(beta), flat(o)
+        tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor = self.qkv_tma(q, k, v)
+        self.set_shared_storage()
+        self.kernel(
+            tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
+            g, beta, o, initial_state, final_state, tiles, num_tiles, scale,
+        ).launch(
+            grid=[grid_x, 1, 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
 
-        # Per-head 2-D views [T, 128] of q, k, v as 3-D (T, D, H) tensors for TMA.
-        def thd(t):
-            return cute.make_tensor(
-                t.iterator,
-                cute.make_layout((t.shape[0], t.shape[2], t.shape[1]), stride=(t.stride[0], t.stride[2], t.stride[1])),
-            )
-
-        tile_layout = _one(_smem_layout(C, 128, io))
+    def qkv_tma(self, q, k, v):
+        """TMA atoms and tensors of the q, k, v chunk tiles [64 x 128] (flattened [tokens, H, 128] inputs)."""
+        tile_layout = _one(_smem_layout(C, 128, self.io_dtype))
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_q_tensor = cpasync.make_tiled_tma_atom(op, thd(q), tile_layout, (C, 128))
         tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(op, thd(k), tile_layout, (C, 128))
         tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(op, thd(v), tile_layout, (C, 128))
+        return tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor
 
-        stages, kda = self.num_stages, self.kda
+    @cute.jit
+    def set_shared_storage(self):
+        """The kernel's shared-memory struct (self.shared_storage) and its size."""
+        io, stages, kda = self.io_dtype, self.num_stages, self.kda
 
         @cute.struct
         class SharedStorage:
@@ -181,15 +197,6 @@ class ChunkGatedDeltaRuleFwdSm90:
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB an SM90 CTA can have"
-        self.kernel(
-            tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-            g, beta, o, initial_state, final_state, tiles, num_tiles, scale,
-        ).launch(
-            grid=[grid_x, 1, 1],
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
 
     # ------------------------------------------------------------------ device side
 
@@ -418,33 +425,13 @@ class ChunkGatedDeltaRuleFwdSm90:
                     acc_kk = cute.make_rmem_tensor(thr_kk.partition_shape_C((C, C)), Float32)
                     cc_kk = thr_kk.partition_C(cute.make_identity_tensor((C, C)))
                     if cutlass.const_expr("intra" not in self.skip):
-                        if j == 0:
-                            self.gemm(wtid, acc_kk, sK[None, None, stage], sK[None, None, stage], False, False, False,
-                                      wait=False)
-                        else:
-                            if cutlass.const_expr(outputs):  # Aqk only feeds the outputs
-                                self.gemm(wtid, acc_kk, sQ[None, None, stage], sK[None, None, stage], False, False,
-                                          False, wait=False)
+                        self.gdn_intra_issue(j, wtid, acc_kk, stage, sQ, sK, outputs)
                     if cutlass.const_expr(outputs and "out" not in self.skip):
                         self.gemm(wtid, acc_o, sQ[None, None, stage], sS_mn[None, None, j], False, True, False,
                                   wait=False)
                     warpgroup.wait_group(0)
                     if cutlass.const_expr("intra" not in self.skip):
-                        # 2^(G_r - G_i) may overflow above the diagonal: computed everywhere, then selected away.
-                        if j == 0:
-                            for i in cutlass.range_constexpr(cute.size(acc_kk)):
-                                r, col = cc_kk[i]
-                                val = acc_kk[i] * cute.math.exp2(sG[r] - sG[col], fastmath=True) * sBeta[r]
-                                acc_kk[i] = cutlass.select_(col < r and r < L, val, Float32(0.0))
-                            for i in cutlass.range_constexpr(cute.size(acc_kk)):   # stores after all loads
-                                tAkk[i] = acc_kk[i]
-                        else:
-                            if cutlass.const_expr(outputs):
-                                for i in cutlass.range_constexpr(cute.size(acc_kk)):
-                                    r, col = cc_kk[i]
-                                    val = acc_kk[i] * cute.math.exp2(sG[r] - sG[col], fastmath=True) * scale
-                                    acc_kk[i] = cutlass.select_(col <= r, val, Float32(0.0))
-                                self.store_acc(wtid, self.make_mma(False, False), acc_kk, sAqk)
+                        self.gdn_intra_finish(j, wtid, acc_kk, cc_kk, L, scale, sG, sBeta, tAkk, sAqk, outputs)
                     if cutlass.const_expr(outputs and "out" not in self.skip):
                         for i in cutlass.range_constexpr(cute.size(acc_o)):
                             r, col = cc_ab[i]
@@ -541,6 +528,36 @@ class ChunkGatedDeltaRuleFwdSm90:
                         r, cidx = cc_s[i]
                         mSN[seq, head, r, v0 + cidx] = acc_s[i]
             work = sched.advance(work)
+
+    @cute.jit
+    def gdn_intra_issue(self, j, wtid, acc_kk, stage, sQ, sK, with_aqk: bool):
+        """GDN step 1, issued (not waited): consumer 0 kk = k k^T, consumer 1 qk = q k^T (if `with_aqk`)."""
+        if j == 0:
+            self.gemm(wtid, acc_kk, sK[None, None, stage], sK[None, None, stage], False, False, False, wait=False)
+        else:
+            if cutlass.const_expr(with_aqk):  # Aqk only feeds the outputs
+                self.gemm(wtid, acc_kk, sQ[None, None, stage], sK[None, None, stage], False, False, False,
+                          wait=False)
+
+    @cute.jit
+    def gdn_intra_finish(self, j, wtid, acc_kk, cc_kk, L, scale, sG, sBeta, tAkk, sAqk, with_aqk: bool):
+        """GDN step 1 after the wait: consumer 0 Akk = beta_r 2^(G_r - G_i) kk (i < r < L) -> fp32 smem; consumer 1
+        Aqk = scale 2^(G_r - G_i) qk (i <= r) -> 16-bit smem."""
+        # 2^(G_r - G_i) may overflow above the diagonal: computed everywhere, then selected away.
+        if j == 0:
+            for i in cutlass.range_constexpr(cute.size(acc_kk)):
+                r, col = cc_kk[i]
+                val = acc_kk[i] * cute.math.exp2(sG[r] - sG[col], fastmath=True) * sBeta[r]
+                acc_kk[i] = cutlass.select_(col < r and r < L, val, Float32(0.0))
+            for i in cutlass.range_constexpr(cute.size(acc_kk)):   # stores after all loads
+                tAkk[i] = acc_kk[i]
+        else:
+            if cutlass.const_expr(with_aqk):
+                for i in cutlass.range_constexpr(cute.size(acc_kk)):
+                    r, col = cc_kk[i]
+                    val = acc_kk[i] * cute.math.exp2(sG[r] - sG[col], fastmath=True) * scale
+                    acc_kk[i] = cutlass.select_(col <= r, val, Float32(0.0))
+                self.store_acc(wtid, self.make_mma(False, False), acc_kk, sAqk)
 
     @cute.jit
     def gdn_gates(self, ctid, L, gv, bv, sG, sEG, sEGL, sBeta, sScan):

@@ -102,11 +102,18 @@ def _variants() -> list[Variant]:
                 ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"),
                 archs=("sm_90a",),
             ))
-    from .ops.two_phase import compile_state_pass
+    from .ops.two_phase import compile_chunk_prep, compile_state_pass
 
-    for kda in (False, True):
-        out.append(Variant(   # the two-phase path's state pass (issue 5, experimental)
-            "chunk_kda" if kda else "chunk_gated_delta_rule", f"{'kda' if kda else 'gdn'}_state_pass_sm90_bfloat16",
+    for kda in (False, True):   # the two-phase path (issue 5, experimental): phase 1 and phase 2
+        op, tag = ("chunk_kda", "kda") if kda else ("chunk_gated_delta_rule", "gdn")
+        out.append(Variant(
+            op, f"{tag}_chunk_prep_sm90_bfloat16",
+            lambda d, kda=kda: compile_chunk_prep(torch.bfloat16, torch.bfloat16, kda, dump_dir=d),
+            ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "st.global.v4"),
+            archs=("sm_90a",),
+        ))
+        out.append(Variant(
+            op, f"{tag}_state_pass_sm90_bfloat16",
             lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, True, True, dump_dir=d),
             ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"),
             archs=("sm_90a",),

@@ -72,3 +72,45 @@ def test_state_pass_kernel_matches_reference(kda, B, T, H, with_init):
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), "run-to-run difference"
     o, s = runs[0]
     assert rel_err(o, want_o) <= 5e-3 and rel_err(s, want_s) <= 5e-3, (rel_err(o, want_o), rel_err(s, want_s))
+
+
+def chunk_last_rows(T, B):
+    """Token rows (flattened [B * T]) that end a chunk of their sequence."""
+    ends = [min(c + 64, T) - 1 for c in range(0, T, 64)]
+    return torch.tensor([b * T + e for b in range(B) for e in ends])
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("B,T,H", [(1, 64, 1), (2, 1000, 3), (1, 4096, 4)])
+def test_prep_kernel_matches_torch_prep(kda, B, T, H):
+    gen = torch.Generator().manual_seed(100 + B * T + H + kda)
+    q, k, v, g, beta, _ = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
+    want = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=kda)
+    got = two_phase.chunk_prep(q, k, v, g, beta, kda=kda)
+    again = two_phase.chunk_prep(q, k, v, g, beta, kda=kda)
+    for name in ("qg", "w", "u", "kg", "aqk"):
+        x, y = getattr(got, name), getattr(want, name)
+        assert not x.isnan().any(), name
+        assert rel_err(x, y) <= 1e-2, (name, rel_err(x, y))
+        assert torch.equal(x, getattr(again, name)), f"{name}: run-to-run difference"
+    rows = chunk_last_rows(T, B).cuda()
+    eg, eg_want = got.eg.flatten(0, 1)[rows], want.eg.flatten(0, 1)[rows]
+    assert rel_err(eg, eg_want) <= 1e-5
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("B,T,H,with_init", [(2, 1000, 3, True), (1, 4096, 4, False)])
+def test_two_phase_matches_reference(kda, B, T, H, with_init):
+    gen = torch.Generator().manual_seed(200 + B * T + H + kda)
+    q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
+    init = init if with_init else None
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
+    o, s = two_phase.chunk_gated_delta_rule_two_phase(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                                      kda=kda)
+    o2, s2 = two_phase.chunk_gated_delta_rule_two_phase(q, k, v, g, beta, initial_state=init,
+                                                        output_final_state=True, kda=kda)
+    assert not o.isnan().any() and not s.isnan().any()
+    assert torch.equal(o, o2) and torch.equal(s, s2), "run-to-run difference"
+    assert rel_err(o, want_o) <= 5e-3 and rel_err(s, want_s) <= 5e-3, (rel_err(o, want_o), rel_err(s, want_s))

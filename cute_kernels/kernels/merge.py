@@ -15,7 +15,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 from .merge_config import AFFINE_MERGE_CONFIG, affine_merge_fits
 

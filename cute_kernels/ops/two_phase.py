@@ -1,10 +1,11 @@
 """Two-phase chunked forward (experimental, issue 5; design in NOTES.md "a parallel chunk-prep phase").
 
-Phase 1 computes every chunk's local terms in parallel; phase 2 (`ChunkStatePassSm90`) runs only the state
-recurrence, one CTA per (sequence, head, 64 V columns). Here phase 1 is plain torch (fp32, batched over chunks):
-it makes phase 2 testable and measurable on its own; a CuTe phase-1 kernel replaces it later.
+Phase 1 (`ChunkPrepSm90`, parallel over chunk ranges) computes every chunk's local terms; phase 2
+(`ChunkStatePassSm90`) runs only the state recurrence, one CTA per (sequence, head, 64 V columns).
+`chunk_prep_torch` is phase 1 in plain torch (fp32, batched over chunks): the spec of the terms, and a way to test
+and time phase 2 on its own.
 
-    prep = chunk_prep_torch(q, k, v, g, beta, scale, kda=...)   # PrepTerms
+    prep = chunk_prep(q, k, v, g, beta, scale, kda=...)   # PrepTerms (or chunk_prep_torch)
     o, final = state_pass(prep, initial_state, output_final_state)
 """
 
@@ -83,6 +84,76 @@ def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step
     io = q.dtype
     return PrepTerms(tokens(out["qg"], io), tokens(out["w"], io), tokens(out["u"], io), tokens(out["kg"], io),
                      tokens(out["aqk"], io), tokens(out["eg"], torch.float32), kda)
+
+
+def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool, vec: bool | None = None,
+                       prefetch: bool | None = None, dump_dir=None):
+    """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
+    to the fused kernel's switches (KDA_VEC, KDA_PREFETCH)."""
+    from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
+    from . import linear_attention as la
+
+    vec = kda and (la.KDA_VEC if vec is None else vec)
+    prefetch = kda and (la.KDA_PREFETCH if prefetch is None else prefetch)
+    key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch)
+
+    def build():
+        from schedulers.problem import NUM_TILE_FIELDS
+
+        from ..runtime.arch import import_cutlass
+
+        cutlass = import_cutlass()  # sets CUTE_DSL_ARCH before the kernel module imports cutlass
+        from ..kernels.sm90.chunk_prep import ChunkPrepSm90
+
+        io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
+        kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch)
+        wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
+        gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN), align=4)   # noqa: E731
+        args = (
+            wide(), wide(), wide(), gate(), fake_tensor(bt, (DYN, DYN, DYN), align=2),   # q, k, v, g, beta
+            wide(), wide(), wide(), wide(),                                              # qg, w, u, kg
+            fake_tensor(io, (DYN, DYN, DYN, 64)), gate(),                                # aqk, eg
+            fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            f32(1.0),
+            fake_stream(),
+        )
+        return kernel, args
+
+    return compile_kernel(key, build, dump_dir=dump_dir)
+
+
+_prep_schedules: dict = {}
+
+
+def chunk_prep(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_tile: int = 2) -> PrepTerms:
+    """Phase 1 on the GPU (`ChunkPrepSm90`): the same terms as `chunk_prep_torch` (eg written at each chunk's last
+    row only), one CTA per `chunks_per_tile` chunks of one (sequence, head). Fixed-length [B, T, H, D] inputs."""
+    from schedulers import Problem, Segmentation, schedule_from_segmentation, split_even
+
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    if K != 128 or V != 128 or q.shape != k.shape:
+        raise ValueError(f"chunk_prep: q, k, v [B, T, H, 128], got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    device = check_cuda(q=q, k=k, v=v, g=g, beta=beta)
+    scale = K ** -0.5 if scale is None else float(scale)
+    key = (B, T, H, chunks_per_tile, str(device))
+    schedule = _prep_schedules.get(key)
+    if schedule is None:
+        problem = Problem.fixed(B, T, H)
+        seg = Segmentation([split_even(c, max(1, -(-c // chunks_per_tile))) for c in problem.chunks])
+        schedule = _prep_schedules[key] = schedule_from_segmentation(problem, seg, "prep")
+    out = dict(qg=torch.empty_like(q), w=torch.empty_like(k), u=torch.empty_like(v), kg=torch.empty_like(k),
+               aqk=torch.empty((B, T, H, C), dtype=q.dtype, device=device),
+               eg=torch.empty(g.shape if kda else (B, T, H), dtype=torch.float32, device=device))
+    if T:
+        g32 = g if g.dtype == torch.float32 else g.float()
+        compiled = compile_chunk_prep(q.dtype, beta.dtype, kda)
+        compiled.fn(q, k, v, g32, beta, out["qg"], out["w"], out["u"], out["kg"], out["aqk"], out["eg"],
+                    schedule.table_on(device), schedule.num_tiles, schedule.grid[0], scale)
+    return PrepTerms(kda=kda, **out)
 
 
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
@@ -183,10 +254,10 @@ def state_pass_torch(prep: PrepTerms, initial_state=None):
 
 
 def chunk_gated_delta_rule_two_phase(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                     *, kda: bool = False):
-    """GDN (or KDA with `kda=True`) forward through the two phases (experimental: phase 1 in torch). Fixed-length
-    [B, T, H, D] inputs, K = 128, V a multiple of 64, SM90."""
+                                     *, kda: bool = False, torch_prep: bool = False):
+    """GDN (or KDA with `kda=True`) forward through the two phases (experimental). Fixed-length [B, T, H, 128]
+    inputs, SM90; `torch_prep=True` runs phase 1 in torch instead of `ChunkPrepSm90`."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, dtypes=(torch.bfloat16, torch.float16), ndim=4)
-    prep = chunk_prep_torch(q, k, v, g, beta, scale, kda=kda)
+    prep = (chunk_prep_torch if torch_prep else chunk_prep)(q, k, v, g, beta, scale, kda=kda)
     return state_pass(prep, initial_state, output_final_state)

@@ -1,0 +1,276 @@
+"""SM90 phase 1 of the two-phase chunked forward (design: NOTES.md "Issue 5: a parallel chunk-prep phase"): every
+chunk's local terms, in parallel over (sequence, head, chunk range), for `ChunkStatePassSm90` to consume.
+
+It is the fused kernel's chunk-local half (`ChunkGatedDeltaRuleFwdSm90` steps 0-3: gates, intra-chunk products,
+solve, w and u) with the state half replaced by stores of the terms to global memory.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from schedulers.device import TileScheduler
+
+from .gdn_fwd import HALF, ChunkGatedDeltaRuleFwdSm90, C, flat
+
+
+class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
+    """Phase 1: per chunk (rows r < L of it; all [tokens, H, D] outputs, tokens = B * T flattened)
+
+        qg = scale exp(G) q,  w = X diag(beta) (exp(G) k),  u = X diag(beta) v,  kg = exp(G_last - G) k  (16-bit)
+        aqk[r, :] = Aqk[r, :] (16-bit, 64 columns),  eg[t_last] = exp(G_last) (fp32; only each chunk's last row is
+        written: the state pass reads only that row)
+
+    Warp roles, pipeline and shared memory as `ChunkGatedDeltaRuleFwdSm90` (producer warp: q/k/v TMA ring;
+    consumer warpgroups 1 and 2: gates, Akk/Aqk, solve; consumer j computes w and u for V columns
+    [64 j, 64 j + 64)); the consumers then store the terms: w, u and Aqk through smem in 16-byte rows, qg and kg
+    from the (gated) q/k tiles in 16-byte vectors, before releasing the q/k/v stage.
+    Work tiles: any chunk ranges (the op uses a few chunks per tile, so every SM has work at small B x H).
+    """
+
+    def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
+                 prefetch_gates: bool = False):
+        super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
+                         vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,      # [B, T, H, 128]
+        k: cute.Tensor,
+        v: cute.Tensor,      # [B, T, H, V]
+        g: cute.Tensor,      # [B, T, H] fp32 (KDA: [B, T, H, 128])
+        beta: cute.Tensor,   # [B, T, H]
+        qg: cute.Tensor,     # outputs: [B, T, H, 128]
+        w: cute.Tensor,
+        u: cute.Tensor,      # [B, T, H, V]
+        kg: cute.Tensor,     # [B, T, H, 128]
+        aqk: cute.Tensor,    # [B, T, H, 64]
+        eg: cute.Tensor,     # [B, T, H] fp32 (KDA: [B, T, H, 128])
+        tiles: cute.Tensor,  # [num_tiles, NUM_TILE_FIELDS] int32
+        num_tiles: Int32,
+        grid_x: Int32,
+        scale: Float32,
+        stream,
+    ):
+        q, k, v, g, beta = flat(q), flat(k), flat(v), flat(g), flat(beta)
+        qg, w, u, kg, aqk, eg = flat(qg), flat(w), flat(u), flat(kg), flat(aqk), flat(eg)
+        tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor = self.qkv_tma(q, k, v)
+        self.set_shared_storage()
+        self.prep_kernel(
+            tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
+            g, beta, qg, w, u, kg, aqk, eg, tiles, num_tiles, scale,
+        ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def prep_kernel(
+        self,
+        tma_q: cute.CopyAtom, mQ: cute.Tensor,
+        tma_k: cute.CopyAtom, mK: cute.Tensor,
+        tma_v: cute.CopyAtom, mV: cute.Tensor,
+        mG: cute.Tensor, mBeta: cute.Tensor,
+        mQg: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor, mA: cute.Tensor, mEg: cute.Tensor,
+        mTiles: cute.Tensor, num_tiles: Int32, scale: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.shared_storage)
+        load = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.load_mbar.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+            tx_count=self.tma_bytes,
+        )
+        sched = TileScheduler.create(mTiles, num_tiles, False)
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(40)
+            if warp_idx == 0:
+                ns = self.num_stages
+                self.producer(sched, load, tma_q, mQ, tma_k, mK, tma_v, mV,
+                              self.view(st.sQ, C, 128, ns), self.view(st.sK, C, 128, ns),
+                              self.view(st.sV, C, 128, ns))
+        else:
+            cute.arch.setmaxregister_increase(232)
+            self.prep_consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st)
+
+    @cute.jit
+    def prep_consumer(self, sched, load, j, ctid, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st):
+        kda = self.kda
+        wtid = ctid % 128
+        v0 = j * HALF
+        ns = self.num_stages
+        sQ = self.view(st.sQ, C, 128, ns)
+        sK = self.view(st.sK, C, 128, ns)
+        sK_mn = self.view(st.sK, C, 128, ns, True)
+        sV_mn = self.view(st.sV, C, 128, ns, True)
+        sW = self.view(st.sNegW, C, 128)[None, None, 0]      # w (not negated here), then stored
+        sXv = self.view(st.sXv, C, C)[None, None, 0]
+        sAqk = self.view(st.sAqk, C, C)[None, None, 0]
+        sU = self.view(st.sVnew, C, HALF, 2)                  # u staging, one half per consumer
+        sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(C + 1, 1)))
+        sY = st.sY.get_tensor(cute.make_layout((3, 16, 16), stride=(256, 16, 1)))
+        sG = st.sG.get_tensor(cute.make_layout(C))
+        sEG = st.sEG.get_tensor(cute.make_layout(C))
+        sEGL = st.sEGL.get_tensor(cute.make_layout(C))
+        sBeta = st.sBeta.get_tensor(cute.make_layout(C))
+        sScan = st.sScan.get_tensor(cute.make_layout(4))
+        sFlag = st.sFlag.get_tensor(cute.make_layout(4))
+        sXk = sXv
+        sKb_mn = sK_mn[None, None, 0]
+        sGk = sG
+        sGL = sG
+        if cutlass.const_expr(kda):
+            sKb_mn = self.view(st.sKb, C, 128, 1, True)[None, None, 0]
+            sGk = st.sGk.get_tensor(cute.make_layout((C, 128), stride=(128, 1)))
+            sGL = st.sGL.get_tensor(cute.make_layout(128))
+        else:
+            sXk = self.view(st.sXk, C, C)[None, None, 0]
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        mma64 = self.make_mma(False, True)
+        thr_kk = self.make_mma(False, False).get_slice(wtid)
+        acc = cute.make_rmem_tensor(mma64.get_slice(wtid).partition_shape_C((C, HALF)), Float32)
+        tAkk = thr_kk.partition_C(sAkk)
+
+        work = sched.initial_work()
+        while work.is_valid:
+            head = work.head
+            tok0 = work.tok_start
+            tok_end = work.tok_end
+            gv = Float32(0.0)
+            bv = Float32(0.0)
+            if cutlass.const_expr(not kda):
+                if ctid < C:
+                    if tok0 + ctid < tok_end:
+                        gv = Float32(mG[tok0 + ctid, head])
+                        bv = Float32(mBeta[tok0 + ctid, head])
+            if cutlass.const_expr(kda and self.prefetch_gates):
+                if ctid < C:
+                    if tok0 + ctid < tok_end:
+                        bv = Float32(mBeta[tok0 + ctid, head])
+                L0 = tok_end - tok0
+                if L0 > C:
+                    L0 = Int32(C)
+                self.kda_g_prefetch(ctid, tok0, L0, head, mG, sGk)
+
+            for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
+                t0 = tok0 + c * C
+                L = tok_end - t0
+                if L > C:
+                    L = Int32(C)
+                # -- 0. gates (as the fused kernel: GDN's loaded one chunk ahead)
+                if cutlass.const_expr(kda):
+                    self.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv)
+                    if cutlass.const_expr(self.prefetch_gates):
+                        bv = Float32(0.0)
+                        if ctid < C:
+                            if t0 + C + ctid < tok_end:
+                                bv = Float32(mBeta[t0 + C + ctid, head])
+                else:
+                    self.gdn_gates(ctid, L, gv, bv, sG, sEG, sEGL, sBeta, sScan)
+                    gv = Float32(0.0)
+                    bv = Float32(0.0)
+                    if ctid < C:
+                        if t0 + C + ctid < tok_end:
+                            gv = Float32(mG[t0 + C + ctid, head])
+                            bv = Float32(mBeta[t0 + C + ctid, head])
+                load.consumer_wait(state)
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                stage = state.index
+
+                # -- 1. Akk (fp32) and Aqk (16-bit); KDA: then the in-place gating of q and k, kb = k 2^G
+                if cutlass.const_expr(kda):
+                    self.kda_intra(j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sW, sGk, sBeta, sFlag, st)
+                    if cutlass.const_expr(self.vec_elementwise):
+                        self.kda_gating_vec(ctid, L, stage, sQ, sK, self.view(st.sKb, C, 128)[None, None, 0], sGk,
+                                            sGL)
+                    else:
+                        self.kda_gating(ctid, L, stage, sQ, sK, sKb_mn, sGk, sGL)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                    if cutlass.const_expr(self.prefetch_gates):
+                        if c + 1 < work.chunk_end - work.chunk_start:
+                            L1 = tok_end - t0 - C
+                            if L1 > C:
+                                L1 = Int32(C)
+                            self.kda_g_prefetch(ctid, t0 + C, L1, head, mG, sGk)
+                else:
+                    acc_kk = cute.make_rmem_tensor(thr_kk.partition_shape_C((C, C)), Float32)
+                    cc_kk = thr_kk.partition_C(cute.make_identity_tensor((C, C)))
+                    self.gdn_intra_issue(j, wtid, acc_kk, stage, sQ, sK, True)
+                    warpgroup.wait_group(0)
+                    self.gdn_intra_finish(j, wtid, acc_kk, cc_kk, L, scale, sG, sBeta, tAkk, sAqk, True)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
+                # -- 2. X = (I + Akk)^-1 -> Xv = X diag(beta), GDN: Xk = X diag(beta 2^G)
+                self.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
+                # -- 3. w and u, V columns [v0, v0 + 64) of this consumer -> smem
+                if cutlass.const_expr(kda):
+                    self.gemm(wtid, acc, sXv, cute.local_tile(sKb_mn, (HALF, C), (j, 0)), False, True, False)
+                else:
+                    self.gemm(wtid, acc, sXk, cute.local_tile(sK_mn[None, None, stage], (HALF, C), (j, 0)),
+                              False, True, False)
+                self.store_acc(wtid, mma64, acc, cute.local_tile(sW, (C, HALF), (0, j)))
+                self.gemm(wtid, acc, sXv, cute.local_tile(sV_mn[None, None, stage], (HALF, C), (j, 0)),
+                          False, True, False)
+                self.store_acc(wtid, mma64, acc, sU[None, None, j])
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
+                # -- 4. the terms -> global (rows < L)
+                self.store_rows(wtid, cute.local_tile(sW, (C, HALF), (0, j)), mW, t0, head, v0, L)
+                self.store_rows(wtid, sU[None, None, j], mU, t0, head, v0, L)
+                if j == 0:
+                    self.store_rows(wtid, sAqk, mA, t0, head, 0, L)
+                self.store_scaled_rows(ctid, L, sQ[None, None, stage], mQg, t0, head, scale, sEG, True)
+                self.store_scaled_rows(ctid, L, sK[None, None, stage], mKg, t0, head, scale, sEGL, False)
+                if cutlass.const_expr(kda):
+                    if ctid < 128:
+                        mEg[t0 + L - 1, head, ctid] = cute.math.exp2(sGL[ctid], fastmath=True)
+                else:
+                    if ctid == 0:
+                        mEg[t0 + L - 1, head] = sEG[L - 1]
+                load.consumer_release(state)
+                state.advance()
+                # Protects every smem buffer from the next chunk's writers.
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            work = sched.advance(work)
+
+    @cute.jit
+    def store_scaled_rows(self, ctid, L, src, mDst, t0, head, scale, sRow, is_q: bool):
+        """A [64 x 128] 16-bit smem tile -> mDst[t0 + r, head, :] for rows r < L, in 16-byte vectors (256 threads),
+        times a row factor: qg (`is_q`): scale (KDA: q is already gated) or scale 2^G_r (GDN, sRow = 2^G);
+        kg: 1 (KDA: k is already gated) or 2^(G_L - G_r) (GDN, sRow = 2^(G_L - G))."""
+        io = self.io_dtype
+        tiled = self.vec_copy()
+        thr = tiled.get_slice(ctid)
+        tS = thr.partition_S(src)
+        crd = thr.partition_S(cute.make_identity_tensor((C, 128)))
+        for m in cutlass.range(cute.size(tS, mode=[1]), unroll=1):
+            r, d0 = crd[0, m, 0]
+            if r < L:
+                x8 = cute.make_rmem_tensor_like(tS[None, m, None])
+                cute.copy(tiled, tS[None, m, None], x8)
+                f = Float32(1.0)
+                if cutlass.const_expr(is_q):
+                    f = scale
+                if cutlass.const_expr(not self.kda):
+                    f = f * sRow[r]
+                y8 = cute.make_rmem_tensor((8,), io)
+                for e in cutlass.range_constexpr(8):
+                    y8[e] = io(Float32(x8[e]) * f)
+                cute.autovec_copy(y8, cute.local_tile(mDst[t0 + r, head, None], (8,), (cute.assume(d0, divby=8) // 8,)))

@@ -112,12 +112,15 @@ def _variants() -> list[Variant]:
             ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "st.global.v4"),
             archs=("sm_90a",),
         ))
-        out.append(Variant(
-            op, f"{tag}_state_pass_sm90_bfloat16",
-            lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, True, True, dump_dir=d),
-            ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"),
-            archs=("sm_90a",),
-        ))
+        for mode, init, final in (("forward", True, True), ("summary", False, False),
+                                  ("segment_outputs", True, True)):
+            out.append(Variant(
+                op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode),
+                lambda d, kda=kda, mode=mode, init=init, final=final: compile_state_pass(
+                    torch.bfloat16, kda, init, final, mode=mode, dump_dir=d),
+                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"),
+                archs=("sm_90a",),
+            ))
     try:
         from schedulers.probe import probe_variants
     except ImportError:

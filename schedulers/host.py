@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .heuristics import SegmentCost, SegmentPlan, plan_segments, plan_segments_by_cost, summary_blocks_of
+from .heuristics import SegmentCost, SegmentPlan, plan_segments, plan_segments_by_cost
 from .problem import TILE_FIELDS, Problem, Segmentation, WorkTile, split_even
 
 
@@ -167,17 +167,21 @@ def schedule_from_segmentation(problem: Problem, segmentation: Segmentation, nam
     return Schedule(tiles, (max(1, len(tiles)), 1, 1), False, segmentation, name)
 
 
-def summary_schedule(problem: Problem, segmentation: Segmentation, first_m: bool, name: str = "segment-summary"
-                     ) -> Schedule:
+def summary_schedule(problem: Problem, segmentation: Segmentation, first_m: bool, name: str = "segment-summary",
+                     h_blocks: int = 1) -> Schedule:
     """The summary launch of a segmented forward: one CTA per summary tile that some start state needs.
 
-    `problem.num_blocks` is the number of summary blocks per segment (block 0 = h_ext, block 1 = M). A sequence's
-    last segment gets no tile (the output launch computes its end state), and its first segment only block 0
-    unless `first_m` (an initial state is given; without one the start is zero and M is never used); see
-    `summary_blocks_of`. The tiles keep `_tiles`' order and their `seg_slot`s, so summaries land in the same slots.
+    `problem.num_blocks` is the number of summary blocks per segment: blocks < `h_blocks` compute h_ext's columns,
+    the others M's (the fused kernel: block 0 = h_ext, block 1 = M; the two-phase state pass: 2 + 2 blocks of 64
+    columns). A sequence's last segment gets no tile (the output launch computes its end state), and its first
+    segment only the h_ext blocks unless `first_m` (an initial state is given; without one the start is zero and
+    M is never used); see `summary_blocks_of`. The tiles keep `_tiles`' order and their `seg_slot`s, so summaries
+    land in the same slots.
     """
     if len(segmentation.bounds) != problem.num_seqs:
         raise ValueError(f"segmentation has {len(segmentation.bounds)} sequences, the problem {problem.num_seqs}")
+    if not 1 <= h_blocks < problem.num_blocks:
+        raise ValueError(f"h_blocks must be in [1, num_blocks), got {h_blocks} with {problem.num_blocks} blocks")
     tiles = [t for t in _tiles(problem, segmentation)
-             if t.block < summary_blocks_of(t.segment, t.num_segments, problem.num_blocks, first_m)]
+             if not t.is_last_segment and (t.block < h_blocks or first_m or t.segment != 0)]
     return Schedule(tiles, (max(1, len(tiles)), 1, 1), False, segmentation, name)

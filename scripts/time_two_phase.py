@@ -54,9 +54,12 @@ def main():
             tf = graph_us(lambda: peer(x))
             to = graph_us(lambda: ops.call_ours(op, ours, x))
             chunks = -(-T // 64)
+            seg = {n: graph_us(lambda n=n: two_phase.state_pass(prep, None, True, num_segments=n))
+                   for n in (4, 16) if chunks >= 2 * n}
             print(f"{op} B={B} H={H} T={T}: prep {t1:.1f} us + state pass {t2:.1f} us ({t2 / chunks:.2f} us/chunk) "
                   f"| FLA {tf:.1f} us | ours fused {to:.1f} us | FLA/two-phase {tf / (t1 + t2):.2f}x, "
-                  f"FLA/fused {tf / to:.2f}x", flush=True)
+                  f"FLA/fused {tf / to:.2f}x | segmented state pass "
+                  + ", ".join(f"N={n}: {t:.1f} us" for n, t in seg.items()), flush=True)
 
 
 if __name__ == "__main__":

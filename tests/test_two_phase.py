@@ -101,16 +101,104 @@ def test_prep_kernel_matches_torch_prep(kda, B, T, H):
 
 @requires_sm90
 @pytest.mark.parametrize("kda", [False, True])
-@pytest.mark.parametrize("B,T,H,with_init", [(2, 1000, 3, True), (1, 4096, 4, False)])
-def test_two_phase_matches_reference(kda, B, T, H, with_init):
-    gen = torch.Generator().manual_seed(200 + B * T + H + kda)
+@pytest.mark.parametrize("B,T,H,with_init,N", [(2, 1000, 3, True, 1), (1, 4096, 4, False, 1), (2, 1000, 3, True, 3),
+                                               (1, 4096, 4, False, 8), (1, 4096, 4, True, 32)])
+def test_two_phase_matches_reference(kda, B, T, H, with_init, N, monkeypatch):
+    monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
+    gen = torch.Generator().manual_seed(200 + B * T + H + kda + N)
     q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
     init = init if with_init else None
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
     o, s = two_phase.chunk_gated_delta_rule_two_phase(q, k, v, g, beta, initial_state=init, output_final_state=True,
-                                                      kda=kda)
+                                                      kda=kda, num_segments=N)
     o2, s2 = two_phase.chunk_gated_delta_rule_two_phase(q, k, v, g, beta, initial_state=init,
-                                                        output_final_state=True, kda=kda)
+                                                        output_final_state=True, kda=kda, num_segments=N)
     assert not o.isnan().any() and not s.isnan().any()
     assert torch.equal(o, o2) and torch.equal(s, s2), "run-to-run difference"
     assert rel_err(o, want_o) <= 5e-3 and rel_err(s, want_s) <= 5e-3, (rel_err(o, want_o), rel_err(s, want_s))
+
+
+# ---------------------------------------------------------------- CPU: the segmented state pass's orchestration
+
+
+class StatePassEmulator:
+    """What one launch of ChunkStatePassSm90 does, tile by tile, in float64 (the kernel's contract)."""
+
+    def __init__(self, kda, has_initial_state, store_final_state, mode):
+        self.kda, self.init, self.final, self.mode = kda, has_initial_state, store_final_state, mode
+
+    def fn(self, qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, grid):
+        from schedulers import TILE_FIELDS
+
+        qg, w, u, kg, aqk, eg, o = (x.flatten(0, 1) for x in (qg, w, u, kg, aqk, eg, o))
+        col = {f: i for i, f in enumerate(TILE_FIELDS)}
+        n_vb = o.shape[-1] // 64
+        for row in tiles[:num_tiles].tolist():
+            t = {f: row[i] for f, i in col.items()}
+            h, blk, a, b = t["head"], t["block"], t["tok_start"], t["tok_end"]
+            is_m = self.mode == "summary" and blk >= n_vb
+            v0 = 64 * (blk - n_vb if is_m else blk)
+            cols = slice(v0, v0 + 64)
+            if self.mode == "summary":
+                S = torch.eye(128, dtype=torch.float64)[:, cols].clone() if is_m else torch.zeros(128, 64).double()
+            elif self.mode == "segment_outputs":
+                S = s0[t["seg_slot"], h, :, cols].double()
+            else:
+                S = s0[t["seq"], h, :, cols].double() if self.init else torch.zeros(128, 64).double()
+            for c0 in range(a, b, 64):
+                c1 = min(c0 + 64, b)
+                L = c1 - c0
+                U = torch.zeros(L, 64).double() if is_m else u[c0:c1, h, cols].double()
+                v_new = U - w[c0:c1, h].double() @ S
+                if self.mode != "summary":
+                    o[c0:c1, h, cols] = (qg[c0:c1, h].double() @ S + aqk[c0:c1, h, :L].double() @ v_new).to(o.dtype)
+                d = eg[c1 - 1, h].double()
+                S = (d[:, None] if self.kda else d) * S + kg[c0:c1, h].double().T @ v_new
+            if self.mode == "summary":
+                sN[t["seg_slot"] + (sN.shape[0] // 2 if is_m else 0), h, :, cols] = S.float()
+            elif self.final and t["segment"] == t["num_segments"] - 1:
+                sN[t["seq"], h, :, cols] = S.float()
+
+
+@pytest.fixture
+def emulated_state_pass(monkeypatch):
+    import cute_kernels.ops.merge as merge_ops
+
+    calls = []
+
+    def fake_compile(io_dtype, kda, has_initial_state, store_final_state, mode="forward", dump_dir=None):
+        calls.append(mode)
+        return StatePassEmulator(kda, has_initial_state, store_final_state, mode)
+
+    def fake_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_only=False):
+        # Slots the kernel never reads (first M without an initial state, last summaries) may hold the poison.
+        M, h_ext, offs = M.double().clone(), h_ext.double().clone(), list(seg_offsets)
+        for n in range(len(offs) - 1):
+            if initial_state is None:
+                M[offs[n]] = 0
+            if starts_only:
+                M[offs[n + 1] - 1] = 0
+                h_ext[offs[n + 1] - 1] = 0
+        starts, final = ref.affine_merge(M, h_ext, offs, None if initial_state is None else initial_state.double())
+        return starts.float(), (None if starts_only else final.float())
+
+    monkeypatch.setattr(two_phase, "check_cuda", lambda **kw: torch.device("cpu"))
+    monkeypatch.setattr(two_phase, "compile_state_pass", fake_compile)
+    monkeypatch.setattr(merge_ops, "affine_merge", fake_merge)
+    monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
+    two_phase._schedules.clear()
+    return calls
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("num_segments", [1, 3, 8])
+@pytest.mark.parametrize("with_init", [True, False])
+def test_segmented_state_pass_orchestration(emulated_state_pass, kda, num_segments, with_init):
+    gen = torch.Generator().manual_seed(num_segments + 2 * kda + 4 * with_init)
+    q, k, v, g, beta, init = make(2, 1000, 2, kda, gen)
+    init = init if with_init else None
+    prep = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=kda)
+    o, s = two_phase.state_pass(prep, init, output_final_state=True, num_segments=num_segments)
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
+    assert emulated_state_pass == (["forward"] if num_segments == 1 else ["summary", "segment_outputs"])
+    assert rel_err(o, want_o) < 1e-4 and rel_err(s, want_s) < 1e-4, (rel_err(o, want_o), rel_err(s, want_s))

@@ -192,12 +192,37 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
 
 
 _schedules: dict = {}
+_POISON_SUMMARIES = False   # tests set it: the summary buffer starts as NaN, so an unwritten slot that is read shows
 
 
-def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = False, *, out=None):
+def _state_pass_schedules(B, T, H, V, num_segments: int, init: bool, device):
+    """(output schedule, summary schedule or None) of the state pass: tiles (sequence, segment, head, 64 V
+    columns); the summary launch adds 2 blocks of M columns per segment, pruned by `summary_schedule`."""
+    from schedulers import Problem, Segmentation, schedule_from_segmentation, split_even, summary_schedule
+
+    key = (B, T, H, V, num_segments, init, str(device))
+    hit = _schedules.get(key)
+    if hit is None:
+        problem = Problem.fixed(B, T, H, num_blocks=V // 64)
+        seg = Segmentation([split_even(c, max(1, min(num_segments, c))) for c in problem.chunks])
+        out = schedule_from_segmentation(problem, seg, "state-pass")
+        summ = None
+        if seg.total_segments > B:
+            blocks = Problem.fixed(B, T, H, num_blocks=V // 64 + 128 // 64)
+            summ = summary_schedule(blocks, seg, first_m=init, h_blocks=V // 64)
+        if len(_schedules) > 256:
+            _schedules.clear()
+        hit = _schedules[key] = (out, summ)
+    return hit
+
+
+def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = False, *, num_segments: int = 1,
+               out=None):
     """Phase 2 on the GPU: o [B, T, H, V] (prep's dtype) and the final state [B, H, K, V] fp32 (or None), one CTA
-    per (sequence, head, 64 V columns). `out=(o, final_state)` writes into given tensors."""
-    from schedulers import Problem, SequenceScheduler
+    per (sequence, head, 64 V columns, segment). `num_segments` > 1 (V = 128 only) splits each sequence along T:
+    a summary launch (the affine maps a start state needs), `affine_merge` into the true start states, then the
+    segments' outputs. `out=(o, final_state)` writes into given tensors."""
+    from .merge import affine_merge
 
     B, T, H, K = prep.w.shape
     V = prep.u.shape[-1]
@@ -221,15 +246,30 @@ def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = F
     else:
         o = torch.empty_like(prep.u)
         final = torch.empty((B, H, K, V), dtype=torch.float32, device=device) if output_final_state else None
-    key = (B, T, H, V, str(device))
-    schedule = _schedules.get(key)
-    if schedule is None:
-        schedule = _schedules[key] = SequenceScheduler().schedule(Problem.fixed(B, T, H, num_blocks=V // 64))
+    if num_segments < 1:
+        raise ValueError(f"num_segments must be >= 1, got {num_segments}")
+    if num_segments > 1 and V != 128:
+        raise ValueError(f"the segmented state pass needs V = 128 (summaries are [128, 128]), got V={V}")
+    init = initial_state is not None
+    schedule, summ = _state_pass_schedules(B, T, H, V, num_segments, init, device)
     dummy = final if final is not None else o.new_empty((1, 1, K, V), dtype=torch.float32)
-    compiled = compile_state_pass(prep.u.dtype, prep.kda, initial_state is not None, final is not None)
-    compiled.fn(prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg, o,
-                initial_state if initial_state is not None else dummy, dummy,
-                schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
+    terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
+    io = prep.u.dtype
+    if summ is None:
+        compiled = compile_state_pass(io, prep.kda, init, final is not None)
+        compiled.fn(*terms, o, initial_state if init else dummy, dummy,
+                    schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
+        return o, final
+    slots = schedule.segmentation.total_segments
+    summary = torch.empty((2 * slots, H, K, K), dtype=torch.float32, device=device)   # unwritten slots: unread
+    if _POISON_SUMMARIES:
+        summary.fill_(float("nan"))
+    if summ.num_tiles:
+        compiled = compile_state_pass(io, prep.kda, False, False, mode="summary")
+        compiled.fn(*terms, prep.u, summary, summary, summ.table_on(device), summ.num_tiles, summ.grid[0])
+    starts, _ = affine_merge(summary[slots:], summary[:slots], schedule.seg_offsets, initial_state, starts_only=True)
+    compiled = compile_state_pass(io, prep.kda, True, final is not None, mode="segment_outputs")
+    compiled.fn(*terms, o, starts, dummy, schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
     return o, final
 
 
@@ -254,10 +294,11 @@ def state_pass_torch(prep: PrepTerms, initial_state=None):
 
 
 def chunk_gated_delta_rule_two_phase(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                     *, kda: bool = False, torch_prep: bool = False):
+                                     *, kda: bool = False, num_segments: int = 1, torch_prep: bool = False):
     """GDN (or KDA with `kda=True`) forward through the two phases (experimental). Fixed-length [B, T, H, 128]
-    inputs, SM90; `torch_prep=True` runs phase 1 in torch instead of `ChunkPrepSm90`."""
+    inputs, SM90; `num_segments` splits the state pass along T; `torch_prep=True` runs phase 1 in torch instead
+    of `ChunkPrepSm90`."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, dtypes=(torch.bfloat16, torch.float16), ndim=4)
     prep = (chunk_prep_torch if torch_prep else chunk_prep)(q, k, v, g, beta, scale, kda=kda)
-    return state_pass(prep, initial_state, output_final_state)
+    return state_pass(prep, initial_state, output_final_state, num_segments=num_segments)

@@ -46,13 +46,17 @@ class ChunkStatePassSm90:
     consumer warpgroup between its phases.
 
     Modes (compile time): `forward` (start from initial_state[seq] or 0; final_state[seq] after the last segment
-    if `store_final_state`) and `segment_outputs` (start from start_states[seg_slot], same outputs).
+    if `store_final_state`); `segment_outputs` (start from start_states[seg_slot], same outputs); `summary` (the
+    segment's affine map S_end = M S_start + h_ext, no o: tile block b < V / 64 runs h_ext's columns [64 b, 64 b +
+    64) from 0 with the real u; block b >= V / 64 runs M's columns [64 (b - V / 64), ..) from the identity with
+    u = 0; the end block goes to summary[slot] (h_ext) or summary[slots + slot] (M), both [.., 128, 128] --
+    `affine_merge`'s layout). The summary mode loads only w, kg and u (no qg, no Aqk).
     """
 
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                  mode: str = "forward", num_stages: int = NUM_STAGES):
-        if mode not in ("forward", "segment_outputs"):
-            raise ValueError(f"mode must be 'forward' or 'segment_outputs', got {mode!r}")
+        if mode not in ("forward", "segment_outputs", "summary"):
+            raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}")
         self.io_dtype = io_dtype
@@ -62,7 +66,10 @@ class ChunkStatePassSm90:
         self.mode = mode
         self.num_stages = num_stages
         self.num_threads = 256
-        self.tma_bytes = (3 * C * K_DIM + 2 * C * V_BLOCK) * io_dtype.width // 8
+        self.outputs = mode != "summary"
+        wide_tiles = 3 if self.outputs else 2   # qg, w, kg (summary: w, kg)
+        narrow_tiles = 2 if self.outputs else 1   # u, aqk (summary: u)
+        self.tma_bytes = (wide_tiles * C * K_DIM + narrow_tiles * C * V_BLOCK) * io_dtype.width // 8
 
     @cute.jit
     def __call__(
@@ -75,7 +82,7 @@ class ChunkStatePassSm90:
         eg: cute.Tensor,             # [B, T, H] fp32 (KDA: [B, T, H, 128])
         o: cute.Tensor,              # [B, T, H, V]
         initial_state: cute.Tensor,  # [N, H, 128, V] fp32 (forward, if has_initial_state); segment_outputs: [slots, ..]
-        final_state: cute.Tensor,    # [N, H, 128, V] fp32 (if store_final_state)
+        final_state: cute.Tensor,    # [N, H, 128, V] fp32 (if store_final_state); summary: [2 * slots, H, 128, 128]
         tiles: cute.Tensor,          # [num_tiles, NUM_TILE_FIELDS] int32
         num_tiles: Int32,
         grid_x: Int32,
@@ -168,23 +175,29 @@ class ChunkStatePassSm90:
         if wg == 0:
             cute.arch.setmaxregister_decrease(40)
             if warp_idx == 0:
-                self.producer(sched, load, ((tma_qg, mQg, sQg, K_DIM, False), (tma_w, mW, sW, K_DIM, False),
-                                            (tma_kg, mKg, wt.smem_view(st.sKg, io, C, K_DIM, ns), K_DIM, False),
-                                            (tma_u, mU, sU, V_BLOCK, True), (tma_a, mA, sA, C, False)))
+                loads = ((tma_w, mW, sW, K_DIM, False),
+                         (tma_kg, mKg, wt.smem_view(st.sKg, io, C, K_DIM, ns), K_DIM, False),
+                         (tma_u, mU, sU, V_BLOCK, True))
+                if cutlass.const_expr(self.outputs):
+                    loads = loads + ((tma_qg, mQg, sQg, K_DIM, False), (tma_a, mA, sA, C, False))
+                self.producer(sched, load, loads, mU.shape[1] // V_BLOCK)
         else:
             cute.arch.setmaxregister_increase(232)
             self.consumer(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
 
     @cute.jit
-    def producer(self, sched, load, loads):
+    def producer(self, sched, load, loads, n_vb):
         """One chunk per ring stage: the five tiles of `loads` ((atom, tensor, smem, columns, by_block): the column
-        tile is the work tile's V block where `by_block` (u), else 0)."""
+        tile is the work tile's V block where `by_block` (u), else 0; `n_vb`: the number of V blocks)."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         work = sched.initial_work()
         while work.is_valid:
             head = work.head
             tok0 = work.tok_start
             blk = work.block
+            if cutlass.const_expr(self.mode == "summary"):
+                if blk >= n_vb:
+                    blk = Int32(0)   # M columns: u is not used (any in-bounds tile keeps the byte count)
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
                 load.producer_acquire(state)
                 bar = load.producer_get_barrier(state)
@@ -221,16 +234,24 @@ class ChunkStatePassSm90:
         acc_o = cute.make_rmem_tensor(thr_ab.partition_shape_C((C, V_BLOCK)), Float32)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
 
+        n_vb = mO.shape[2] // V_BLOCK   # V blocks (summary: blocks past them are M's columns)
         work = sched.initial_work()
         while work.is_valid:
             seq = work.seq
             head = work.head
-            v0 = work.block * V_BLOCK
+            blk = work.block
+            v0 = blk * V_BLOCK
+            is_m = blk >= n_vb          # summary only: this tile runs M's columns
+            if cutlass.const_expr(self.mode == "summary"):
+                if is_m:
+                    v0 = (blk - n_vb) * V_BLOCK
             tok0 = work.tok_start
             tok_end = work.tok_end
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 r, cidx = cc_s[i]
-                if cutlass.const_expr(self.mode == "segment_outputs"):
+                if cutlass.const_expr(self.mode == "summary"):
+                    acc_s[i] = cutlass.select_(is_m and r == v0 + cidx, Float32(1.0), Float32(0.0))
+                elif cutlass.const_expr(self.mode == "segment_outputs"):
                     acc_s[i] = mS0[work.seg_slot, head, r, v0 + cidx]
                 elif cutlass.const_expr(self.has_initial_state):
                     acc_s[i] = mS0[seq, head, r, v0 + cidx]
@@ -254,17 +275,21 @@ class ChunkStatePassSm90:
                 stage = state.index
                 # w S (-> v_new) and qg S (o's inter-chunk part), one commit.
                 wt.gemm(io, wtid, acc, sW[None, None, stage], sS_mn, False, True, False, wait=False)
-                wt.gemm(io, wtid, acc_o, sQg[None, None, stage], sS_mn, False, True, False, wait=False)
+                if cutlass.const_expr(self.outputs):
+                    wt.gemm(io, wtid, acc_o, sQg[None, None, stage], sS_mn, False, True, False, wait=False)
                 warpgroup.wait_group(0)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     r, cidx = cc_ab[i]
-                    val = Float32(sU[r, cidx, stage]) - acc[i]
-                    acc[i] = cutlass.select_(r < L, val, Float32(0.0))
+                    uval = Float32(sU[r, cidx, stage])
+                    if cutlass.const_expr(self.mode == "summary"):
+                        uval = cutlass.select_(is_m, Float32(0.0), uval)
+                    acc[i] = cutlass.select_(r < L, uval - acc[i], Float32(0.0))
                 wt.store_acc(io, wtid, mma64, acc, sVnew)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
                 # o += Aqk v_new and S <- diag(exp(G_last)) S + kg^T v_new, one commit.
-                wt.gemm(io, wtid, acc_o, sA[None, None, stage], sVnew_mn, False, True, True, wait=False)
+                if cutlass.const_expr(self.outputs):
+                    wt.gemm(io, wtid, acc_o, sA[None, None, stage], sVnew_mn, False, True, True, wait=False)
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     r, cidx = cc_s[i]
                     acc_s[i] = acc_s[i] * sDecay[r]
@@ -273,13 +298,24 @@ class ChunkStatePassSm90:
                 load.consumer_release(state)
                 state.advance()
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)   # every product has read sS and sVnew
-                wt.store_acc(io, wtid, mma64, acc_o, sO)
+                if cutlass.const_expr(self.outputs):
+                    wt.store_acc(io, wtid, mma64, acc_o, sO)
                 wt.store_acc(io, wtid, mma_s, acc_s, sS)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
-                wt.store_rows(io, wtid, sO, mO, t0, head, v0, L)
+                if cutlass.const_expr(self.outputs):
+                    wt.store_rows(io, wtid, sO, mO, t0, head, v0, L)
 
-            if cutlass.const_expr(self.store_final_state):
+            if cutlass.const_expr(self.mode == "summary"):
+                # h_ext -> summary[slot], M -> summary[slots + slot] (affine_merge's M and h_ext halves).
+                nslots = mSN.shape[0] // 2
+                dst = work.seg_slot
+                if is_m:
+                    dst = dst + nslots
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    r, cidx = cc_s[i]
+                    mSN[dst, head, r, v0 + cidx] = acc_s[i]
+            elif cutlass.const_expr(self.store_final_state):
                 if work.is_last_segment:
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
                         r, cidx = cc_s[i]

@@ -19,7 +19,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .problem import NUM_TILE_FIELDS, TILE_FIELDS
+from .problem import TILE_FIELDS
 
 
 def grid_shape(schedule) -> tuple[int, int, int]:

@@ -192,7 +192,7 @@ def summary_blocks_of(segment: int, num_segments: int, summary_blocks: int, firs
     return summary_blocks
 
 
-def _makespan(lengths: list[int], slots: int) -> int:
+def makespan(lengths: list[int], slots: int) -> int:
     """Chunks until the last of `lengths` (chunk counts, in launch order) ends on `slots` CTA slots (greedy)."""
     if len(lengths) <= slots:
         return max(lengths, default=0)
@@ -208,12 +208,12 @@ def segmented_cost_us(problem: Problem, segmentation: Segmentation, cost: Segmen
     per_seq = problem.num_heads * problem.num_blocks
     seg_lens = [[b[i + 1] - b[i] for i in range(len(b) - 1)] for b in segmentation.bounds]
     outputs = [n for lens in seg_lens for n in lens for _ in range(per_seq)]
-    t = _makespan(outputs, slots) * cost.chunk_us
+    t = makespan(outputs, slots) * cost.chunk_us
     if all(len(lens) <= 1 for lens in seg_lens):
         return t
     summary = [n for lens in seg_lens for s, n in enumerate(lens)
                for _ in range(per_seq * summary_blocks_of(s, len(lens), cost.summary_blocks, cost.first_m))]
-    t += _makespan(summary, slots) * cost.chunk_us
+    t += makespan(summary, slots) * cost.chunk_us
     t += (max(len(lens) for lens in seg_lens) - 1) * cost.link_us + 2 * cost.launch_us   # N - 1 links
     return t
 

@@ -202,3 +202,54 @@ def test_segmented_state_pass_orchestration(emulated_state_pass, kda, num_segmen
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
     assert emulated_state_pass == (["forward"] if num_segments == 1 else ["summary", "segment_outputs"])
     assert rel_err(o, want_o) < 1e-4 and rel_err(s, want_s) < 1e-4, (rel_err(o, want_o), rel_err(s, want_s))
+
+
+class PrepEmulator:
+    """ChunkPrepSm90's contract on the CPU: chunk_prep_torch per sequence, written into the output tensors."""
+
+    def __init__(self, kda, cu):
+        self.kda, self.cu = kda, cu
+
+    def fn(self, q, k, v, g, beta, qg, w, u, kg, aqk, eg, tiles, num_tiles, grid, scale):
+        B, T = q.shape[:2]
+        spans = [(b, 0, T) for b in range(B)] if self.cu is None else [(0, a, e) for a, e in zip(self.cu, self.cu[1:])]
+        for b, a, e in spans:
+            if e == a:
+                continue
+            sl = lambda x: x[b:b + 1, a:e]   # noqa: E731
+            p = two_phase.chunk_prep_torch(sl(q), sl(k), sl(v), sl(g), sl(beta), scale, kda=self.kda)
+            for name, dst in (("qg", qg), ("w", w), ("u", u), ("kg", kg), ("aqk", aqk), ("eg", eg)):
+                dst[b:b + 1, a:e] = getattr(p, name)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("segments", [None, 4])
+def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segments):
+    """chunk_gated_delta_rule / chunk_kda with CUTE_KERNELS_TWO_PHASE on: phase 1 + the (segmented) state pass
+    wired from the op, checked on the CPU with both kernels emulated."""
+    import cute_kernels.ops.linear_attention as la
+    import cute_kernels.runtime.arch as arch
+    from schedulers import SegmentScheduler
+
+    monkeypatch.setattr(la, "TWO_PHASE", True)
+    monkeypatch.setattr(la, "check_cuda", lambda **kw: torch.device("cpu"))
+    monkeypatch.setattr(la, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
+    la._two_phase_plans.clear()
+    two_phase._prep_schedules.clear()
+    cu = (0, 100, 100, 1000, 1300) if varlen else None
+    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, cu))
+    gen = torch.Generator().manual_seed(11 + kda + 2 * varlen)
+    B, T = (1, 1300) if varlen else (2, 700)
+    q, k, v, g, beta, _ = make(B, T, 2, kda, gen, dtype=torch.bfloat16)
+    N = 4 if varlen else B
+    init = torch.randn(N, 2, 128, 128, generator=gen) * 0.1
+    cut = torch.tensor(cu) if varlen else None
+    op = la.chunk_kda if kda else la.chunk_gated_delta_rule
+    sched = None if segments is None else SegmentScheduler(num_segments=segments)
+    o, s = op(q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cut, scheduler=sched)
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                                   cu_seqlens=cut)
+    assert emulated_state_pass[-1] == ("segment_outputs" if segments else emulated_state_pass[-1])
+    assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2, (rel_err(o, want_o), rel_err(s, want_s))

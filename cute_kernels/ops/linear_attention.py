@@ -179,6 +179,9 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         k = torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype)
     scale = float(scale) if scale is not None else K ** -0.5
     init = initial_state is not None
+    if TWO_PHASE and T > 0 and N > 0:
+        return _two_phase_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu, scheduler, out,
+                                  kda, B, T, H, device)
     key = (scheduler, B, T, H, cu, str(device), kda, init, AUTO_SEGMENTS, _merge.AFFINE_MERGE_IMPL)
     cached = _schedule_cache.get(key)
     if cached is None:
@@ -231,6 +234,38 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     starts, _ = affine_merge(summary[slots:], summary[:slots], schedule.seg_offsets, initial_state, starts_only=True)
     compiled = compile_gdn_sm90(q.dtype, beta.dtype, True, store_final, False, kda, mode="segment_outputs")
     compiled.fn(*args, starts, dummy, schedule.table_on(device), schedule.num_tiles, schedule.num_tiles, scale)
+    return o, final if output_final_state else None
+
+
+# The two-phase forward (ops/two_phase.py: a parallel chunk-prep kernel, then a state pass with segments chosen by
+# its own cost model). Compiled and CPU-tested, not yet run on a GPU: off until tests/test_two_phase.py passes on
+# the H200 and scripts/time_two_phase.py shows it faster (env CUTE_KERNELS_TWO_PHASE=1 turns it on).
+TWO_PHASE = os.environ.get("CUTE_KERNELS_TWO_PHASE", "0") == "1"
+_two_phase_plans: dict = {}
+
+
+def _two_phase_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu, scheduler, out, kda, B, T, H,
+                       device):
+    """`_forward` through ops/two_phase.py: `SegmentScheduler(num_segments=n)` forces n segments of the state pass,
+    any other scheduler lets `two_phase.plan_num_segments` choose."""
+    from schedulers import Problem, SegmentScheduler
+
+    from . import two_phase
+
+    init = initial_state is not None
+    n = getattr(scheduler, "num_segments", None) if isinstance(scheduler, SegmentScheduler) else None
+    if n is None:
+        key = (B, T, H, cu, kda, init, str(device))
+        n = _two_phase_plans.get(key)
+        if n is None:
+            problem = Problem.varlen(list(cu), H) if cu is not None else Problem.fixed(B, T, H)
+            sms = _sm_count(device)
+            link = MERGE_LINK_US[_merge.merge_impl_for(problem.num_seqs, H, 128, 128, sms)]
+            n = _two_phase_plans[key] = two_phase.plan_num_segments(problem, kda, init, sms, link)
+    g32 = g if g.dtype == torch.float32 else g.float()
+    prep = two_phase.chunk_prep(q, k, v, g32, beta, scale, kda=kda, cu_seqlens=cu)
+    o, final = two_phase.state_pass(prep, initial_state, output_final_state or (out is not None and out[1] is not None),
+                                    num_segments=n, cu_seqlens=cu, out=out)
     return o, final if output_final_state else None
 
 

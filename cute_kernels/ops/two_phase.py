@@ -127,10 +127,31 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
 _prep_schedules: dict = {}
 
 
-def chunk_prep(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_tile: int = 2) -> PrepTerms:
+def _problem(B, T, H, cu, num_blocks: int = 1):
+    """The schedulers' Problem of a [B, T, H, ..] batch, or of packed sequences (`cu`: a tuple of offsets, B = 1)."""
+    from schedulers import Problem
+
+    if cu is None:
+        return Problem.fixed(B, T, H, num_blocks=num_blocks)
+    return Problem.varlen(list(cu), H, num_blocks=num_blocks)
+
+
+def _cu_tuple(cu_seqlens, B, T):
+    """cu_seqlens (list or int tensor, read to the host once) as a tuple, checked against [B, T]."""
+    if cu_seqlens is None:
+        return None
+    cu = tuple(int(x) for x in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens))
+    if B != 1 or len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must go from 0 to T={T} without decreasing, with B = 1, got B={B}, "
+                         f"cu_seqlens={list(cu[:8])}")
+    return cu
+
+
+def chunk_prep(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_tile: int = 2, cu_seqlens=None) -> PrepTerms:
     """Phase 1 on the GPU (`ChunkPrepSm90`): the same terms as `chunk_prep_torch` (eg written at each chunk's last
-    row only), one CTA per `chunks_per_tile` chunks of one (sequence, head). Fixed-length [B, T, H, D] inputs."""
-    from schedulers import Problem, Segmentation, schedule_from_segmentation, split_even
+    row only), one CTA per `chunks_per_tile` chunks of one (sequence, head). [B, T, H, D] inputs, or packed
+    sequences ([1, T, ...] with `cu_seqlens`: chunks start at each sequence's start)."""
+    from schedulers import Segmentation, schedule_from_segmentation, split_even
 
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -139,10 +160,13 @@ def chunk_prep(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_tile: int 
                          f"v {tuple(v.shape)}")
     device = check_cuda(q=q, k=k, v=v, g=g, beta=beta)
     scale = K ** -0.5 if scale is None else float(scale)
-    key = (B, T, H, chunks_per_tile, str(device))
+    cu = _cu_tuple(cu_seqlens, B, T)
+    key = (B, T, H, chunks_per_tile, cu, str(device))
     schedule = _prep_schedules.get(key)
     if schedule is None:
-        problem = Problem.fixed(B, T, H)
+        if len(_prep_schedules) > 256:
+            _prep_schedules.clear()
+        problem = _problem(B, T, H, cu)
         seg = Segmentation([split_even(c, max(1, -(-c // chunks_per_tile))) for c in problem.chunks])
         schedule = _prep_schedules[key] = schedule_from_segmentation(problem, seg, "prep")
     out = dict(qg=torch.empty_like(q), w=torch.empty_like(k), u=torch.empty_like(v), kg=torch.empty_like(k),
@@ -195,20 +219,24 @@ _schedules: dict = {}
 _POISON_SUMMARIES = False   # tests set it: the summary buffer starts as NaN, so an unwritten slot that is read shows
 
 
-def _state_pass_schedules(B, T, H, V, num_segments: int, init: bool, device):
+def _state_pass_schedules(B, T, H, V, num_segments, init: bool, cu, device):
     """(output schedule, summary schedule or None) of the state pass: tiles (sequence, segment, head, 64 V
-    columns); the summary launch adds 2 blocks of M columns per segment, pruned by `summary_schedule`."""
-    from schedulers import Problem, Segmentation, schedule_from_segmentation, split_even, summary_schedule
+    columns); the summary launch adds 2 blocks of M columns per segment, pruned by `summary_schedule`.
+    `num_segments`: one count for every sequence or a tuple per sequence (never more than its chunks)."""
+    from schedulers import Segmentation, schedule_from_segmentation, split_even, summary_schedule
 
-    key = (B, T, H, V, num_segments, init, str(device))
+    key = (B, T, H, V, num_segments, init, cu, str(device))
     hit = _schedules.get(key)
     if hit is None:
-        problem = Problem.fixed(B, T, H, num_blocks=V // 64)
-        seg = Segmentation([split_even(c, max(1, min(num_segments, c))) for c in problem.chunks])
+        problem = _problem(B, T, H, cu, num_blocks=V // 64)
+        counts = num_segments if isinstance(num_segments, tuple) else (num_segments,) * problem.num_seqs
+        if len(counts) != problem.num_seqs:
+            raise ValueError(f"num_segments has {len(counts)} counts for {problem.num_seqs} sequences")
+        seg = Segmentation([split_even(c, max(1, min(n, c))) for c, n in zip(problem.chunks, counts)])
         out = schedule_from_segmentation(problem, seg, "state-pass")
         summ = None
-        if seg.total_segments > B:
-            blocks = Problem.fixed(B, T, H, num_blocks=V // 64 + 128 // 64)
+        if seg.total_segments > problem.num_seqs:
+            blocks = _problem(B, T, H, cu, num_blocks=V // 64 + 128 // 64)
             summ = summary_schedule(blocks, seg, first_m=init, h_blocks=V // 64)
         if len(_schedules) > 256:
             _schedules.clear()
@@ -216,12 +244,13 @@ def _state_pass_schedules(B, T, H, V, num_segments: int, init: bool, device):
     return hit
 
 
-def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = False, *, num_segments: int = 1,
-               out=None):
+def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = False, *, num_segments=1,
+               cu_seqlens=None, out=None):
     """Phase 2 on the GPU: o [B, T, H, V] (prep's dtype) and the final state [B, H, K, V] fp32 (or None), one CTA
     per (sequence, head, 64 V columns, segment). `num_segments` > 1 (V = 128 only) splits each sequence along T:
     a summary launch (the affine maps a start state needs), `affine_merge` into the true start states, then the
-    segments' outputs. `out=(o, final_state)` writes into given tensors."""
+    segments' outputs (an int for every sequence, or a list per sequence). Packed sequences: `cu_seqlens` as in
+    `chunk_prep`. `out=(o, final_state)` writes into given tensors."""
     from .merge import affine_merge
 
     B, T, H, K = prep.w.shape
@@ -233,25 +262,29 @@ def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = F
     check_shape("aqk", prep.aqk, (B, T, H, C))
     check_shape("eg", prep.eg, (B, T, H, K) if prep.kda else (B, T, H))
     device = check_cuda(qg=prep.qg, w=prep.w, u=prep.u, kg=prep.kg, aqk=prep.aqk, eg=prep.eg)
+    cu = _cu_tuple(cu_seqlens, B, T)
+    N = B if cu is None else len(cu) - 1
     if initial_state is not None:
         check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4)
-        check_shape("initial_state", initial_state, (B, H, K, V))
+        check_shape("initial_state", initial_state, (N, H, K, V))
     if out is not None:
         o, final = out
         check_tensor("out[o]", o, dtypes=(prep.u.dtype,), ndim=4)
         check_shape("out[o]", o, (B, T, H, V))
         if final is not None:
             check_tensor("out[final_state]", final, dtypes=(torch.float32,), ndim=4)
-            check_shape("out[final_state]", final, (B, H, K, V))
+            check_shape("out[final_state]", final, (N, H, K, V))
     else:
         o = torch.empty_like(prep.u)
-        final = torch.empty((B, H, K, V), dtype=torch.float32, device=device) if output_final_state else None
-    if num_segments < 1:
+        final = torch.empty((N, H, K, V), dtype=torch.float32, device=device) if output_final_state else None
+    num_segments = tuple(num_segments) if isinstance(num_segments, (list, tuple)) else int(num_segments)
+    counts = num_segments if isinstance(num_segments, tuple) else (num_segments,)
+    if min(counts, default=1) < 1:
         raise ValueError(f"num_segments must be >= 1, got {num_segments}")
-    if num_segments > 1 and V != 128:
+    if max(counts, default=1) > 1 and V != 128:
         raise ValueError(f"the segmented state pass needs V = 128 (summaries are [128, 128]), got V={V}")
     init = initial_state is not None
-    schedule, summ = _state_pass_schedules(B, T, H, V, num_segments, init, device)
+    schedule, summ = _state_pass_schedules(B, T, H, V, num_segments, init, cu, device)
     dummy = final if final is not None else o.new_empty((1, 1, K, V), dtype=torch.float32)
     terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
     io = prep.u.dtype
@@ -302,3 +335,51 @@ def chunk_gated_delta_rule_two_phase(q, k, v, g, beta, scale=None, initial_state
         check_tensor(name, x, dtypes=(torch.bfloat16, torch.float16), ndim=4)
     prep = (chunk_prep_torch if torch_prep else chunk_prep)(q, k, v, g, beta, scale, kda=kda)
     return state_pass(prep, initial_state, output_final_state, num_segments=num_segments)
+
+
+# ------------------------------------------------------------------ choosing the segment count
+
+# Guesses until scripts/time_two_phase.py has run on the H200 (stage `two-phase`): phase 1's time per chunk per CTA
+# (the fused kernel's chunk-local stages: its profile minus the state stages) and the state pass's per chunk
+# (three 64-row products on one warpgroup). GDN, KDA.
+PREP_CHUNK_US = {False: 7.0, True: 13.0}
+STATE_CHUNK_US = {False: 1.5, True: 1.5}
+LAUNCH_US = 4.0
+
+
+def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: float, chunks_per_tile: int = 2):
+    """Predicted GPU time of the two-phase forward with `counts` segments per sequence (`problem`: one block).
+
+    Phase 1: tiles of `chunks_per_tile` chunks per (sequence, head). Phase 2: output tiles per (sequence, segment,
+    head, 64 V columns); if split, summary tiles (2 h_ext blocks per segment but the last, plus 2 M blocks except
+    the first segment's without an initial state), N - 1 merge links and two more launches.
+    """
+    from schedulers import split_even
+    from schedulers.heuristics import makespan
+
+    H = problem.num_heads
+    prep = [min(chunks_per_tile, c - i) for c in problem.chunks for _ in range(H) for i in range(0, c, chunks_per_tile)]
+    t = makespan(prep, slots) * PREP_CHUNK_US[kda] + LAUNCH_US
+    lens = []
+    for c, n in zip(problem.chunks, counts):
+        b = split_even(c, max(1, min(n, c)))
+        lens.append([b[i + 1] - b[i] for i in range(len(b) - 1)])
+    outputs = [n for ls in lens for n in ls for _ in range(2 * H)]
+    t += makespan(outputs, slots) * STATE_CHUNK_US[kda]
+    if all(len(ls) <= 1 for ls in lens):
+        return t
+    summary = [n for ls in lens for s, n in enumerate(ls[:-1]) for _ in range(H * (4 if (s or init) else 2))]
+    t += makespan(summary, slots) * STATE_CHUNK_US[kda]
+    return t + (max(len(ls) for ls in lens) - 1) * link_us + 2 * LAUNCH_US
+
+
+def plan_num_segments(problem, kda: bool, init: bool, slots: int, link_us: float, min_chunks: int = 2) -> int:
+    """The segment count (the same for every sequence, capped by each one's chunks) that `predicted_us` likes
+    best; ties go to fewer segments."""
+    cap = max(1, max(problem.chunks, default=1) // min_chunks)
+    best, best_t = 1, predicted_us(problem, [1] * problem.num_seqs, kda, init, slots, link_us)
+    for n in range(2, cap + 1):
+        t = predicted_us(problem, [n] * problem.num_seqs, kda, init, slots, link_us)
+        if t < best_t * 0.999:
+            best, best_t = n, t
+    return best

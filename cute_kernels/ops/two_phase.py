@@ -158,6 +158,8 @@ def chunk_prep(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_tile: int 
     if K != 128 or V != 128 or q.shape != k.shape:
         raise ValueError(f"chunk_prep: q, k, v [B, T, H, 128], got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_tensor(name, x, ndim=x.dim())   # contiguous: both kernels flatten [B, T] themselves
     device = check_cuda(q=q, k=k, v=v, g=g, beta=beta)
     scale = K ** -0.5 if scale is None else float(scale)
     cu = _cu_tuple(cu_seqlens, B, T)
@@ -255,8 +257,10 @@ def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = F
 
     B, T, H, K = prep.w.shape
     V = prep.u.shape[-1]
-    if K != 128 or V % 64:
-        raise ValueError(f"state_pass supports K = 128 and V a multiple of 64, got K={K}, V={V}")
+    if K != 128 or V != 128:
+        raise ValueError(f"state_pass supports K = V = 128 (compiled shapes), got K={K}, V={V}")
+    for name in ("qg", "w", "u", "kg", "aqk", "eg"):
+        check_tensor(name, getattr(prep, name), ndim=getattr(prep, name).dim())
     for name in ("qg", "w", "kg"):
         check_shape(name, getattr(prep, name), (B, T, H, K))
     check_shape("aqk", prep.aqk, (B, T, H, C))

@@ -8,6 +8,7 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
 import torch
 
 from benchmarks import ops
+from cute_kernels.ops import linear_attention as la
 from cute_kernels.ops import two_phase
 
 CELLS = [(1, 4, 1024), (1, 4, 4096), (1, 4, 8192), (1, 4, 16384), (2, 16, 8192), (8, 8, 4096)]
@@ -52,14 +53,24 @@ def main():
             t1 = graph_us(lambda: two_phase.chunk_prep(*args, kda=kda))
             t2 = graph_us(lambda: two_phase.state_pass(prep, None, True))
             tf = graph_us(lambda: peer(x))
+            la.TWO_PHASE = "0"      # the fused path (its own auto segment count)
             to = graph_us(lambda: ops.call_ours(op, ours, x))
+            la.TWO_PHASE = "1"     # the whole op through the two phases, its own planned segment count
+            try:
+                ops.call_ours(op, ours, x)
+                planned = dict(la._two_phase_plans)
+                t2p = graph_us(lambda: ops.call_ours(op, ours, x))
+            finally:
+                la.TWO_PHASE = "auto"
+            n_plan = [c.num_segments for key, c in planned.items() if key[2:5] == (B, T, H) and key[6] == kda]
             chunks = -(-T // 64)
             seg = {n: graph_us(lambda n=n: two_phase.state_pass(prep, None, True, num_segments=n))
                    for n in (4, 16) if chunks >= 2 * n}
             print(f"{op} B={B} H={H} T={T}: prep {t1:.1f} us + state pass {t2:.1f} us ({t2 / chunks:.2f} us/chunk) "
                   f"| FLA {tf:.1f} us | ours fused {to:.1f} us | FLA/two-phase {tf / (t1 + t2):.2f}x, "
                   f"FLA/fused {tf / to:.2f}x | segmented state pass "
-                  + ", ".join(f"N={n}: {t:.1f} us" for n, t in seg.items()), flush=True)
+                  + ", ".join(f"N={n}: {t:.1f} us" for n, t in seg.items())
+                  + f" | op two-phase (planned N={n_plan}) {t2p:.1f} us, FLA/op {tf / t2p:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""SM90 fused GDN forward: input checks (CPU), smem layout views (CPU), agreement with float64 (GPU)."""
+"""SM90 GDN / KDA forward through the ops: input checks (CPU), smem layout views (CPU), agreement with float64 (GPU).
+Every test runs on both paths of the op: the fused kernel and the two-phase path (chunk prep + state pass)."""
 
 import os
 import subprocess
@@ -14,6 +15,15 @@ from cute_kernels import reference as ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 requires_sm90 = pytest.mark.skipif(gpu_arch() != "sm_90a", reason="needs an SM90 (Hopper) GPU")
+
+
+@pytest.fixture(autouse=True, params=["fused", "two_phase"])
+def path(request, monkeypatch):
+    """Pin the op's path (CUTE_KERNELS_TWO_PHASE 0 / 1) for the test."""
+    from cute_kernels.ops import linear_attention as la
+
+    monkeypatch.setattr(la, "TWO_PHASE", "1" if request.param == "two_phase" else "0")
+    return request.param
 
 
 def make_inputs(B, T, H, gen, device="cpu", dtype=torch.bfloat16, K=128, V=128, kda=False, decay=1.0, g_fill=None):

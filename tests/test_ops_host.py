@@ -86,6 +86,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(la, "compile_gdn_sm90", fake_compile)
     monkeypatch.setattr(merge_ops, "affine_merge", fake_merge)
     monkeypatch.setattr(la, "_POISON_SUMMARIES", True)
+    monkeypatch.setattr(la, "TWO_PHASE", "0")   # the fused path; tests/test_two_phase.py covers the other
     la._schedule_cache.clear()
     return calls
 

@@ -88,6 +88,7 @@ def test_auto_segments_default_path(kda, monkeypatch):
     from cute_kernels.ops import linear_attention as la
 
     monkeypatch.setattr(la, "AUTO_SEGMENTS", True)
+    monkeypatch.setattr(la, "TWO_PHASE", "0")   # the fused path (tests/test_two_phase.py covers the other)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(11)
     q, k, v, g, beta = make_inputs(1, 4096, 4, gen, dev, kda=kda)

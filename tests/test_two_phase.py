@@ -253,3 +253,35 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segm
                                                    cu_seqlens=cut)
     assert emulated_state_pass[-1] == ("segment_outputs" if segments else emulated_state_pass[-1])
     assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2, (rel_err(o, want_o), rel_err(s, want_s))
+
+
+def test_auto_path_choice(monkeypatch):
+    """CUTE_KERNELS_TWO_PHASE=auto: scheduler=None takes the two-phase path where B x H leaves SMs idle and the
+    fused kernel where it fills them (the cost models' predictions, both in last_plan()); an explicit scheduler
+    keeps the fused kernel; "1" / "0" force a path; anything else is an error."""
+    import cute_kernels.ops.linear_attention as la
+    from schedulers import SegmentScheduler
+
+    monkeypatch.setattr(la, "_sm_count", lambda device: 132)
+    la._two_phase_plans.clear()
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(la, "TWO_PHASE", "auto")
+    for kda in (False, True):
+        n = la._two_phase_segments(None, 1, 8192, 4, None, cpu, kda, False)
+        assert n is not None and n > 1, n     # 4 heads: a split state pass
+        plan = la.last_plan()
+        assert "path: two-phase" in plan and f"segments per sequence: {n} (all 1 sequences)" in plan, plan
+        choice = la._last_choice
+        assert choice.two_phase_us < choice.fused_us
+        assert la._two_phase_segments(None, 16, 4096, 64, None, cpu, kda, False) is None   # 1024 pairs: fused
+        assert "path: fused" in la.last_plan() and la._last_choice.fused_us < la._last_choice.two_phase_us
+        assert la._two_phase_segments(SegmentScheduler(num_segments=4), 1, 8192, 4, None, cpu, kda, False) is None
+        assert la._last_choice is None
+    monkeypatch.setattr(la, "TWO_PHASE", "1")
+    assert la._two_phase_segments(None, 16, 4096, 64, None, cpu, False, False) == 1
+    assert la._two_phase_segments(SegmentScheduler(num_segments=4), 1, 8192, 4, None, cpu, False, False) == 4
+    monkeypatch.setattr(la, "TWO_PHASE", "0")
+    assert la._two_phase_segments(None, 1, 8192, 4, None, cpu, False, False) is None
+    monkeypatch.setattr(la, "TWO_PHASE", "yes")
+    with pytest.raises(ValueError, match="CUTE_KERNELS_TWO_PHASE"):
+        la._two_phase_segments(None, 1, 8192, 4, None, cpu, False, False)

@@ -124,6 +124,7 @@ def _schedule(scheduler, B, T, H, cu_seqlens, device, kda: bool = False, init: b
 _schedule_cache: dict = {}
 _POISON_SUMMARIES = False   # tests set it: fill the segmented path's summary buffer with NaN before each call
 _last_schedule = None
+_last_choice = None   # PathChoice of the last call when CUTE_KERNELS_TWO_PHASE weighed the two paths
 _dummies: dict = {}
 
 
@@ -137,7 +138,28 @@ def _dummy_state(device) -> torch.Tensor:
 
 def last_plan() -> str | None:
     """How the last chunk_gated_delta_rule / chunk_kda call split its work (the schedule's `explain()`)."""
+    if _last_choice is not None:
+        return _last_choice.explain()
     return None if _last_schedule is None else _last_schedule.explain()
+
+
+class PathChoice:
+    """`last_plan()` of a call under CUTE_KERNELS_TWO_PHASE=auto / 1: which path ran, its segment count and both
+    predictions. `fused` is the fused path's Schedule (None when the path was forced)."""
+
+    def __init__(self, two_phase: bool, num_segments: int, num_seqs: int, two_phase_us: float,
+                 fused_us: float | None = None, fused=None):
+        self.two_phase, self.num_segments, self.num_seqs = two_phase, num_segments, num_seqs
+        self.two_phase_us, self.fused_us, self.fused = two_phase_us, fused_us, fused
+
+    def explain(self) -> str:
+        pred = f"predicted: two-phase {self.two_phase_us:.0f} us (state pass in {self.num_segments} segments)"
+        if self.fused_us is not None:
+            pred += f", fused {self.fused_us:.0f} us"
+        if not self.two_phase:
+            return self.fused.explain() + "\n- path: fused (" + pred + ")"
+        return (f"two-phase forward: chunk_prep over every chunk, then the state pass\n"
+                f"segments per sequence: {self.num_segments} (all {self.num_seqs} sequences)\n- path: two-phase ({pred})")
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -179,9 +201,11 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         k = torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype)
     scale = float(scale) if scale is not None else K ** -0.5
     init = initial_state is not None
-    if TWO_PHASE and T > 0 and N > 0:
-        return _two_phase_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu, scheduler, out,
-                                  kda, B, T, H, device)
+    if T > 0 and N > 0:
+        n = _two_phase_segments(scheduler, B, T, H, cu, device, kda, init)
+        if n is not None:
+            return _two_phase_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu, n, out,
+                                      kda, device)
     key = (scheduler, B, T, H, cu, str(device), kda, init, AUTO_SEGMENTS, _merge.AFFINE_MERGE_IMPL)
     cached = _schedule_cache.get(key)
     if cached is None:
@@ -238,30 +262,62 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
 
 
 # The two-phase forward (ops/two_phase.py: a parallel chunk-prep kernel, then a state pass with segments chosen by
-# its own cost model). Compiled and CPU-tested, not yet run on a GPU: off until tests/test_two_phase.py passes on
-# the H200 and scripts/time_two_phase.py shows it faster (env CUTE_KERNELS_TWO_PHASE=1 turns it on).
-TWO_PHASE = os.environ.get("CUTE_KERNELS_TWO_PHASE", "0") == "1"
+# its own cost model). Verified on the H200 (tests/test_two_phase.py, 2026-12-02) and faster than the fused path
+# where B x H leaves SMs idle (scripts/time_two_phase.py: KDA B=1 H=4 T=8192 167 us vs fused 340, FLA 330).
+# CUTE_KERNELS_TWO_PHASE: "auto" (default) takes the path the cost models predict faster when scheduler=None
+# (an explicit scheduler keeps the fused kernel); "1" always two-phase (a SegmentScheduler(num_segments=n) then
+# sets the state pass's segment count); "0" never.
+TWO_PHASE = os.environ.get("CUTE_KERNELS_TWO_PHASE", "auto")
 _two_phase_plans: dict = {}
 
 
-def _two_phase_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu, scheduler, out, kda, B, T, H,
-                       device):
-    """`_forward` through ops/two_phase.py: `SegmentScheduler(num_segments=n)` forces n segments of the state pass,
-    any other scheduler lets `two_phase.plan_num_segments` choose."""
-    from schedulers import Problem, SegmentScheduler
+def _two_phase_mode() -> str:
+    mode = {True: "1", False: "0"}.get(TWO_PHASE, TWO_PHASE)   # tests may set a bool
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"CUTE_KERNELS_TWO_PHASE must be auto, 0 or 1, got {TWO_PHASE!r}")
+    return mode
+
+
+def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -> int | None:
+    """The state pass's segment count if this call takes the two-phase path, else None (host side, cached)."""
+    from schedulers import Problem, SegmentScheduler, segmented_cost_us
 
     from . import two_phase
 
-    init = initial_state is not None
-    n = getattr(scheduler, "num_segments", None) if isinstance(scheduler, SegmentScheduler) else None
-    if n is None:
-        key = (B, T, H, cu, kda, init, str(device))
-        n = _two_phase_plans.get(key)
-        if n is None:
-            problem = Problem.varlen(list(cu), H) if cu is not None else Problem.fixed(B, T, H)
-            sms = _sm_count(device)
-            link = MERGE_LINK_US[_merge.merge_impl_for(problem.num_seqs, H, 128, 128, sms)]
-            n = _two_phase_plans[key] = two_phase.plan_num_segments(problem, kda, init, sms, link)
+    global _last_choice
+    _last_choice = None
+    mode = _two_phase_mode()
+    if mode == "0" or (mode == "auto" and scheduler is not None):
+        return None
+    key = (mode, scheduler if mode == "1" else None, B, T, H, cu, kda, init, AUTO_SEGMENTS, str(device))
+    choice = _two_phase_plans.get(key)
+    if choice is None:
+        problem = Problem.varlen(list(cu), H) if cu is not None else Problem.fixed(B, T, H)
+        sms = _sm_count(device)
+        link = MERGE_LINK_US[_merge.merge_impl_for(problem.num_seqs, H, 128, 128, sms)]
+        forced = getattr(scheduler, "num_segments", None) if isinstance(scheduler, SegmentScheduler) else None
+        n = forced or two_phase.plan_num_segments(problem, kda, init, sms, link)
+        t2 = two_phase.predicted_us(problem, [n] * problem.num_seqs, kda, init, sms, link)
+        if mode == "1":
+            choice = PathChoice(True, n, problem.num_seqs, t2)
+        else:
+            from schedulers import SegmentCost
+
+            fused, _ = _schedule(None, B, T, H, cu, device, kda, init)
+            cost = SegmentCost(chunk_us=CHUNK_US[kda], link_us=link, first_m=init)
+            t1 = segmented_cost_us(problem, fused.segmentation, cost, sms)
+            choice = PathChoice(t2 < t1, n, problem.num_seqs, t2, t1, fused)
+        if len(_two_phase_plans) > 256:
+            _two_phase_plans.clear()
+        _two_phase_plans[key] = choice
+    _last_choice = choice
+    return choice.num_segments if choice.two_phase else None
+
+
+def _two_phase_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu, n, out, kda, device):
+    """`_forward` through ops/two_phase.py with `n` segments of the state pass."""
+    from . import two_phase
+
     g32 = g if g.dtype == torch.float32 else g.float()
     prep = two_phase.chunk_prep(q, k, v, g32, beta, scale, kda=kda, cu_seqlens=cu)
     o, final = two_phase.state_pass(prep, initial_state, output_final_state or (out is not None and out[1] is not None),

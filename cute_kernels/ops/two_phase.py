@@ -343,12 +343,12 @@ def chunk_gated_delta_rule_two_phase(q, k, v, g, beta, scale=None, initial_state
 
 # ------------------------------------------------------------------ choosing the segment count
 
-# Guesses until scripts/time_two_phase.py has run on the H200 (stage `two-phase`): phase 1's time per chunk per CTA
-# (the fused kernel's chunk-local stages: its profile minus the state stages) and the state pass's per chunk
-# (three 64-row products on one warpgroup). GDN, KDA.
-PREP_CHUNK_US = {False: 7.0, True: 13.0}
-STATE_CHUNK_US = {False: 1.5, True: 1.5}
-LAUNCH_US = 4.0
+# Measured on the H200 (scripts/time_two_phase.py, 2026-12-02; GPU time from CUDA-graph replay): phase 1's time
+# per chunk per CTA (GDN 9.4, KDA 16.8 us: 299 / 534 us for 2048 two-chunk tiles at B=2 H=16 T=8192, 16 waves)
+# and the state pass's per chunk per CTA (1.6-2.2 us, 1.8 fits the 32 unsplit and segmented timings within ~10%).
+PREP_CHUNK_US = {False: 9.4, True: 16.8}
+STATE_CHUNK_US = {False: 1.8, True: 1.8}
+LAUNCH_US = 2.0
 
 
 def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: float, chunks_per_tile: int = 2):

@@ -170,6 +170,24 @@ def segments(row: dict):
     return float(m.group(4))
 
 
+def path(row: dict):
+    """The path ours took in this cell, from its plan: 2 = two-phase (chunk prep + state pass), 1 = fused, else
+    None (no plan, or a plan from before the two-phase path)."""
+    plan = _extra(row, "plan")
+    if not isinstance(plan, str):
+        return None
+    if "path: two-phase" in plan:
+        return 2.0
+    if "path: fused" in plan:
+        return 1.0
+    return None
+
+
+def ours_graph_us(row: dict):
+    v = _extra(row, "ours_graph_us")
+    return v if isinstance(v, (int, float)) else None
+
+
 def format_report(
     rows: list[dict],
     *,
@@ -207,8 +225,13 @@ def format_report(
                 mark_lose=True, mark_err=True, **kw,
             ))
         parts.append(format_table(rows, peer_graph_us, f"peer_graph_us  ({peer}, CUDA-graph replay)", **kw))
+        if has_ours(rows):
+            parts.append(format_table(rows, ours_graph_us, "ours_graph_us  (CUDA-graph replay)", **kw))
     if any(segments(r) is not None for r in rows):
         parts.append(format_table(rows, segments, "segments per sequence chosen by ours (its plan)", **kw))
+    if any(path(r) is not None for r in rows):
+        parts.append(format_table(rows, path, "path chosen by ours: 2 = two-phase (chunk prep + state pass), "
+                                  "1 = fused", **kw))
     return "\n\n".join(parts)
 
 

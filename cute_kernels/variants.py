@@ -108,10 +108,18 @@ def _variants() -> list[Variant]:
         op, tag = ("chunk_kda", "kda") if kda else ("chunk_gated_delta_rule", "gdn")
         out.append(Variant(
             op, f"{tag}_chunk_prep_sm90_bfloat16",
-            lambda d, kda=kda: compile_chunk_prep(torch.bfloat16, torch.bfloat16, kda, dump_dir=d),
+            lambda d, kda=kda: compile_chunk_prep(torch.bfloat16, torch.bfloat16, kda, slim=False, dump_dir=d),
             ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "st.global.v4"),
             archs=("sm_90a",),
         ))
+        if not kda:   # GDN's slim phase 1: two CTAs per SM, 288 threads, no register reallocation
+            out.append(Variant(
+                op, f"{tag}_chunk_prep_sm90_bfloat16_slim",
+                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=True, dump_dir=d),
+                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4", ".minnctapersm 2",
+                               ".reqntid 288"),
+                archs=("sm_90a",),
+            ))
         for mode, init, final in (("forward", True, True), ("summary", False, False),
                                   ("segment_outputs", True, True)):
             out.append(Variant(

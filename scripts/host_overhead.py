@@ -61,6 +61,20 @@ def main():
             t_gpu = tt.do_bench(call, warmup=10, rep=50, return_mode="median") * 1e3
             print(f"{'kda' if kda else 'gdn'} B={B} H={H} T={T} final={final}: op {t_op:.1f} us | checks "
                   f"{t_chk:.1f} | alloc {t_alloc:.1f} | launch {t_launch:.1f} | gpu {t_gpu:.1f}", flush=True)
+    # The two paths of scheduler=None, eager (back-to-back calls, host clock) against GPU time (do_bench).
+    for kda in (False, True):
+        op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
+        for B, H, T in [(1, 4, 256), (1, 4, 1024), (1, 4, 4096)]:
+            q, k, v, g, beta = inputs(B, T, H, kda)
+            call = lambda: op(q, k, v, g, beta)  # noqa: E731
+            line = []
+            for mode in ("0", "1"):
+                la.TWO_PHASE = mode
+                call()
+                line.append(f"{'two-phase' if mode == '1' else 'fused'} eager {per_call_us(call, 500):.1f} us, gpu "
+                            f"{tt.do_bench(call, warmup=10, rep=50, return_mode='median') * 1e3:.1f} us")
+            la.TWO_PHASE = "auto"
+            print(f"{'kda' if kda else 'gdn'} B={B} H={H} T={T}: " + " | ".join(line), flush=True)
     return 0
 
 

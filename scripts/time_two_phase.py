@@ -3,7 +3,11 @@ forward, all as GPU time from CUDA-graph replay (no host gaps). Prints one line 
 us, the state pass per chunk along the serial chain, FLA, ours fused (default scheduler), and the ratios.
 
     python3 scripts/time_two_phase.py            # on the H200, after the wheelhouse install
+    python3 scripts/time_two_phase.py prep       # only GDN's phase 1, slim (two CTAs per SM) against one CTA per SM
 """
+
+import os
+import sys
 
 import torch
 
@@ -41,7 +45,35 @@ def graph_us(fn, calls: int = 10, reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def time_prep():
+    """GDN phase 1, slim and not, and the per-chunk per-CTA cost the model (`two_phase.predicted_us`) should use."""
+    from schedulers.heuristics import makespan
+
+    best = None
+    for B, H, T in CELLS + [(1, 16, 2048), (2, 16, 4096)]:
+        x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+        chunks = -(-T // 64)
+        tiles = [min(2, chunks - i) for _ in range(B * H) for i in range(0, chunks, 2)]
+        line = []
+        for slim in (False, True):
+            two_phase.PREP_SLIM = slim
+            t = graph_us(lambda: two_phase.chunk_prep(*args, kda=False))
+            per = (t - two_phase.LAUNCH_US) / makespan(tiles, 132 * (2 if slim else 1))
+            line.append(f"{'slim' if slim else 'one CTA/SM'} {t:.1f} us ({per:.2f} us per chunk per CTA)")
+        two_phase.PREP_SLIM = True
+        print(f"gdn prep B={B} H={H} T={T}: " + " | ".join(line), flush=True)
+        if best is None or makespan(tiles, 264) > best[0]:
+            best = (makespan(tiles, 264), per)
+    # the fit from the cell with the most waves, for CUTE_KERNELS_PREP_SLIM_CHUNK_US
+    print(f"slim per chunk per CTA (most waves): {best[1]:.2f} us")
+    with open(os.path.join(os.environ.get("OUT", "."), "prep_slim_chunk_us.txt"), "w") as f:
+        f.write(f"{best[1]:.2f}\n")
+
+
 def main():
+    if sys.argv[1:] == ["prep"]:
+        return time_prep()
     for op in ("gdn", "kda"):
         kda = op == "kda"
         _, peer = ops.load_peer(op)

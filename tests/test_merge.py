@@ -162,7 +162,7 @@ def test_lse_merge_schedule_layout():
     gen = torch.Generator().manual_seed(3)
     dev = torch.device("cuda")
     kv_lens = [3000, 100, 1024]
-    B, Hkv, Hq, D = len(kv_lens), 2, 8, 128
+    Hkv, Hq, D = 2, 8, 128
     problem = Problem.varlen([0] + list(torch.tensor(kv_lens).cumsum(0).tolist()), Hkv, chunk_size=64)
     sched = SegmentScheduler().schedule(problem, sm_count=132, ctas_per_sm=2)
     o_slots, lse_slots, want_o, want_lse = [], [], [], []

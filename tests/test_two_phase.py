@@ -81,9 +81,11 @@ def chunk_last_rows(T, B):
 
 
 @requires_sm90
-@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("kda,slim", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("B,T,H", [(1, 64, 1), (2, 1000, 3), (1, 4096, 4)])
-def test_prep_kernel_matches_torch_prep(kda, B, T, H):
+def test_prep_kernel_matches_torch_prep(kda, slim, B, T, H, monkeypatch):
+    monkeypatch.setattr(two_phase, "PREP_SLIM", slim)
+    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
     gen = torch.Generator().manual_seed(100 + B * T + H + kda)
     q, k, v, g, beta, _ = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
     want = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=kda)
@@ -105,6 +107,7 @@ def test_prep_kernel_matches_torch_prep(kda, B, T, H):
                                                (1, 4096, 4, False, 8), (1, 4096, 4, True, 32)])
 def test_two_phase_matches_reference(kda, B, T, H, with_init, N, monkeypatch):
     monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
+    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
     gen = torch.Generator().manual_seed(200 + B * T + H + kda + N)
     q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
     init = init if with_init else None
@@ -186,6 +189,7 @@ def emulated_state_pass(monkeypatch):
     monkeypatch.setattr(two_phase, "compile_state_pass", fake_compile)
     monkeypatch.setattr(merge_ops, "affine_merge", fake_merge)
     monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
+    monkeypatch.setattr(two_phase, "_plans", {})   # plans hold compiled functions: none of these fakes outlives the test
     two_phase._schedules.clear()
     return calls
 
@@ -237,7 +241,6 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segm
     monkeypatch.setattr(la, "_sm_count", lambda device: 132)
     monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
     la._two_phase_plans.clear()
-    two_phase._prep_schedules.clear()
     cu = (0, 100, 100, 1000, 1300) if varlen else None
     monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, cu))
     gen = torch.Generator().manual_seed(11 + kda + 2 * varlen)

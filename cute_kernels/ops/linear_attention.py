@@ -201,21 +201,6 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         k = torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype)
     scale = float(scale) if scale is not None else K ** -0.5
     init = initial_state is not None
-    if T > 0 and N > 0:
-        n = _two_phase_segments(scheduler, B, T, H, cu, device, kda, init)
-        if n is not None:
-            return _two_phase_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu, n, out,
-                                      kda, device)
-    key = (scheduler, B, T, H, cu, str(device), kda, init, AUTO_SEGMENTS, _merge.AFFINE_MERGE_IMPL)
-    cached = _schedule_cache.get(key)
-    if cached is None:
-        cached = _schedule(scheduler, B, T, H, cu, device, kda, init)
-        if len(_schedule_cache) > 256:
-            _schedule_cache.clear()
-        _schedule_cache[key] = cached
-    schedule, summary_schedule = cached
-    global _last_schedule
-    _last_schedule = schedule
     if out is not None:
         o, final = out
         check_tensor("out[o]", o, dtypes=(q.dtype,), ndim=4)
@@ -226,6 +211,21 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     else:
         o = torch.empty_like(v)
         final = torch.empty((N, H, K, V), dtype=torch.float32, device=device) if output_final_state else None
+    if T > 0 and N > 0:
+        n = _two_phase_segments(scheduler, B, T, H, cu, device, kda, init)
+        if n is not None:
+            _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, kda, device)
+            return o, final if output_final_state else None
+    key = (scheduler, B, T, H, cu, str(device), kda, init, AUTO_SEGMENTS, _merge.AFFINE_MERGE_IMPL)
+    cached = _schedule_cache.get(key)
+    if cached is None:
+        cached = _schedule(scheduler, B, T, H, cu, device, kda, init)
+        if len(_schedule_cache) > 256:
+            _schedule_cache.clear()
+        _schedule_cache[key] = cached
+    schedule, summary_schedule = cached
+    global _last_schedule
+    _last_schedule = schedule
     store_final = final is not None
     if T == 0 or N == 0:
         if store_final:
@@ -289,7 +289,7 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
     mode = _two_phase_mode()
     if mode == "0" or (mode == "auto" and scheduler is not None):
         return None
-    key = (mode, scheduler if mode == "1" else None, B, T, H, cu, kda, init, AUTO_SEGMENTS, str(device))
+    key = (mode, scheduler if mode == "1" else None, B, T, H, cu, kda, init, AUTO_SEGMENTS, device)
     choice = _two_phase_plans.get(key)
     if choice is None:
         problem = Problem.varlen(list(cu), H) if cu is not None else Problem.fixed(B, T, H)
@@ -314,15 +314,16 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
     return choice.num_segments if choice.two_phase else None
 
 
-def _two_phase_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu, n, out, kda, device):
-    """`_forward` through ops/two_phase.py with `n` segments of the state pass."""
+def _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, kda, device):
+    """`_forward` through ops/two_phase.py with `n` segments of the state pass, into o (and final, if not None).
+    The inputs are validated: the two phases' cached plans launch without checking them again."""
     from . import two_phase
 
+    B, T, H, _ = k.shape
     g32 = g if g.dtype == torch.float32 else g.float()
-    prep = two_phase.chunk_prep(q, k, v, g32, beta, scale, kda=kda, cu_seqlens=cu)
-    o, final = two_phase.state_pass(prep, initial_state, output_final_state or (out is not None and out[1] is not None),
-                                    num_segments=n, cu_seqlens=cu, out=out)
-    return o, final if output_final_state else None
+    prep = two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device).run(q, k, v, g32, beta, scale)
+    plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, initial_state is not None, final is not None, n, device)
+    plan.run(prep, initial_state, o, final)
 
 
 # KDA's per-element passes in 16-byte vectors (`vec_elementwise`) and its gates prefetched one chunk ahead (g by

@@ -11,6 +11,7 @@ and time phase 2 on its own.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -86,16 +87,26 @@ def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step
                      tokens(out["aqk"], io), tokens(out["eg"], torch.float32), kda)
 
 
+# GDN's phase 1 in its `slim` form: two CTAs per SM (one q/k/v stage, 288 threads, ~93 KB of shared memory).
+PREP_SLIM = os.environ.get("CUTE_KERNELS_PREP_SLIM", "1") == "1"
+
+
+def prep_ctas_per_sm(kda: bool) -> int:
+    """Phase-1 CTAs that share an SM (the cost model's slots per SM): 2 for GDN's slim kernel, else 1."""
+    return 2 if (PREP_SLIM and not kda) else 1
+
+
 def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool, vec: bool | None = None,
-                       prefetch: bool | None = None, dump_dir=None):
+                       prefetch: bool | None = None, slim: bool | None = None, dump_dir=None):
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
-    to the fused kernel's switches (KDA_VEC, KDA_PREFETCH)."""
+    to the fused kernel's switches (KDA_VEC, KDA_PREFETCH); GDN's `slim` to PREP_SLIM."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
     from . import linear_attention as la
 
     vec = kda and (la.KDA_VEC if vec is None else vec)
     prefetch = kda and (la.KDA_PREFETCH if prefetch is None else prefetch)
-    key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch)
+    slim = not kda and (PREP_SLIM if slim is None else slim)
+    key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -106,7 +117,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
         from ..kernels.sm90.chunk_prep import ChunkPrepSm90
 
         io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
-        kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch)
+        kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch, slim=slim)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN), align=4)   # noqa: E731
         args = (
@@ -124,7 +135,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     return compile_kernel(key, build, dump_dir=dump_dir)
 
 
-_prep_schedules: dict = {}
+_POISON_PREP = False   # tests set it: phase 1's outputs start as NaN
 
 
 def _problem(B, T, H, cu, num_blocks: int = 1):
@@ -151,8 +162,6 @@ def chunk_prep(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_tile: int 
     """Phase 1 on the GPU (`ChunkPrepSm90`): the same terms as `chunk_prep_torch` (eg written at each chunk's last
     row only), one CTA per `chunks_per_tile` chunks of one (sequence, head). [B, T, H, D] inputs, or packed
     sequences ([1, T, ...] with `cu_seqlens`: chunks start at each sequence's start)."""
-    from schedulers import Segmentation, schedule_from_segmentation, split_even
-
     B, T, H, K = k.shape
     V = v.shape[-1]
     if K != 128 or V != 128 or q.shape != k.shape:
@@ -163,23 +172,52 @@ def chunk_prep(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_tile: int 
     device = check_cuda(q=q, k=k, v=v, g=g, beta=beta)
     scale = K ** -0.5 if scale is None else float(scale)
     cu = _cu_tuple(cu_seqlens, B, T)
-    key = (B, T, H, chunks_per_tile, cu, str(device))
-    schedule = _prep_schedules.get(key)
-    if schedule is None:
-        if len(_prep_schedules) > 256:
-            _prep_schedules.clear()
+    g32 = g if g.dtype == torch.float32 else g.float()
+    return prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device, chunks_per_tile).run(q, k, v, g32, beta, scale)
+
+
+_plans: dict = {}
+
+
+def _cached_plan(cls, *key):
+    plan = _plans.get((cls, key))
+    if plan is None:
+        if len(_plans) > 512:
+            _plans.clear()
+        plan = _plans[(cls, key)] = cls(*key)
+    return plan
+
+
+class PrepPlan:
+    """Phase 1 of one configuration, built once: the compiled kernel, the tile table on the device. `run` then
+    allocates the terms and launches (no checks: the caller has validated its inputs)."""
+
+    def __init__(self, B, T, H, cu, kda, io, beta_dtype, device, chunks_per_tile):
+        from schedulers import Segmentation, schedule_from_segmentation, split_even
+
+        self.shape, self.kda, self.device = (B, T, H), kda, device
         problem = _problem(B, T, H, cu)
         seg = Segmentation([split_even(c, max(1, -(-c // chunks_per_tile))) for c in problem.chunks])
-        schedule = _prep_schedules[key] = schedule_from_segmentation(problem, seg, "prep")
-    out = dict(qg=torch.empty_like(q), w=torch.empty_like(k), u=torch.empty_like(v), kg=torch.empty_like(k),
-               aqk=torch.empty((B, T, H, C), dtype=q.dtype, device=device),
-               eg=torch.empty(g.shape if kda else (B, T, H), dtype=torch.float32, device=device))
-    if T:
-        g32 = g if g.dtype == torch.float32 else g.float()
-        compiled = compile_chunk_prep(q.dtype, beta.dtype, kda)
-        compiled.fn(q, k, v, g32, beta, out["qg"], out["w"], out["u"], out["kg"], out["aqk"], out["eg"],
-                    schedule.table_on(device), schedule.num_tiles, schedule.grid[0], scale)
-    return PrepTerms(kda=kda, **out)
+        schedule = schedule_from_segmentation(problem, seg, "prep")
+        self.fn = compile_chunk_prep(io, beta_dtype, kda).fn if T else None
+        self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
+
+    def run(self, q, k, v, g32, beta, scale: float) -> PrepTerms:
+        B, T, H = self.shape
+        wide = torch.empty((4, B, T, H, 128), dtype=q.dtype, device=self.device)   # qg, w, u, kg: one allocation
+        aqk = torch.empty((B, T, H, C), dtype=q.dtype, device=self.device)
+        eg = torch.empty((B, T, H, 128) if self.kda else (B, T, H), dtype=torch.float32, device=self.device)
+        if _POISON_PREP:   # tests: every element the state pass reads must have been written
+            for x in (wide, aqk, eg):
+                x.fill_(float("nan"))
+        qg, w, u, kg = wide.unbind(0)
+        if self.fn is not None:
+            self.fn(q, k, v, g32, beta, qg, w, u, kg, aqk, eg, *self.launch, scale)
+        return PrepTerms(qg, w, u, kg, aqk, eg, self.kda)
+
+
+def prep_plan(B, T, H, cu, kda, io, beta_dtype, device, chunks_per_tile: int = 2) -> PrepPlan:
+    return _cached_plan(PrepPlan, B, T, H, cu, kda, io, beta_dtype, device, chunks_per_tile)
 
 
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
@@ -253,8 +291,6 @@ def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = F
     a summary launch (the affine maps a start state needs), `affine_merge` into the true start states, then the
     segments' outputs (an int for every sequence, or a list per sequence). Packed sequences: `cu_seqlens` as in
     `chunk_prep`. `out=(o, final_state)` writes into given tensors."""
-    from .merge import affine_merge
-
     B, T, H, K = prep.w.shape
     V = prep.u.shape[-1]
     if K != 128 or V != 128:
@@ -287,27 +323,54 @@ def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = F
         raise ValueError(f"num_segments must be >= 1, got {num_segments}")
     if max(counts, default=1) > 1 and V != 128:
         raise ValueError(f"the segmented state pass needs V = 128 (summaries are [128, 128]), got V={V}")
-    init = initial_state is not None
-    schedule, summ = _state_pass_schedules(B, T, H, V, num_segments, init, cu, device)
-    dummy = final if final is not None else o.new_empty((1, 1, K, V), dtype=torch.float32)
-    terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
-    io = prep.u.dtype
-    if summ is None:
-        compiled = compile_state_pass(io, prep.kda, init, final is not None)
-        compiled.fn(*terms, o, initial_state if init else dummy, dummy,
-                    schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
+    plan = state_plan(B, T, H, cu, prep.kda, prep.u.dtype, initial_state is not None, final is not None,
+                      num_segments, device)
+    return plan.run(prep, initial_state, o, final)
+
+
+class StatePlan:
+    """Phase 2 of one configuration (segment counts, initial state or not, final state or not), built once: the
+    compiled kernels (forward, or summary + segment outputs), the tile tables on the device. `run` launches them
+    (no checks: the caller has validated its tensors)."""
+
+    def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device):
+        from .merge import affine_merge
+
+        self.affine_merge = affine_merge
+        schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device)
+        self.init, self.device, self.split = init, device, summ is not None
+        self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
+        self.dummy = None   # an fp32 [1, 1, K, V] stand-in for a state the kernel neither reads nor writes
+        if not self.split:
+            self.fn = compile_state_pass(io, kda, init, final)
+            return
+        self.slots, self.seg_offsets = schedule.segmentation.total_segments, schedule.seg_offsets
+        self.summary_fn = compile_state_pass(io, kda, False, False, mode="summary") if summ.num_tiles else None
+        self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0])
+        self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs")
+
+    def run(self, prep: PrepTerms, initial_state, o, final):
+        if final is None and self.dummy is None:
+            self.dummy = torch.empty((1, 1, 128, 128), dtype=torch.float32, device=self.device)
+        dummy = final if final is not None else self.dummy
+        terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
+        if not self.split:
+            self.fn.fn(*terms, o, initial_state if self.init else dummy, dummy, *self.launch)
+            return o, final
+        H = prep.w.shape[2]
+        summary = torch.empty((2 * self.slots, H, 128, 128), dtype=torch.float32, device=self.device)
+        if _POISON_SUMMARIES:   # unwritten slots must stay unread
+            summary.fill_(float("nan"))
+        if self.summary_fn is not None:
+            self.summary_fn.fn(*terms, prep.u, summary, summary, *self.summary_launch)
+        starts, _ = self.affine_merge(summary[self.slots:], summary[:self.slots], self.seg_offsets, initial_state,
+                                      starts_only=True)
+        self.fn.fn(*terms, o, starts, dummy, *self.launch)
         return o, final
-    slots = schedule.segmentation.total_segments
-    summary = torch.empty((2 * slots, H, K, K), dtype=torch.float32, device=device)   # unwritten slots: unread
-    if _POISON_SUMMARIES:
-        summary.fill_(float("nan"))
-    if summ.num_tiles:
-        compiled = compile_state_pass(io, prep.kda, False, False, mode="summary")
-        compiled.fn(*terms, prep.u, summary, summary, summ.table_on(device), summ.num_tiles, summ.grid[0])
-    starts, _ = affine_merge(summary[slots:], summary[:slots], schedule.seg_offsets, initial_state, starts_only=True)
-    compiled = compile_state_pass(io, prep.kda, True, final is not None, mode="segment_outputs")
-    compiled.fn(*terms, o, starts, dummy, schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
-    return o, final
+
+
+def state_plan(B, T, H, cu, kda, io, init, final, num_segments, device) -> StatePlan:
+    return _cached_plan(StatePlan, B, T, H, cu, kda, io, init, final, num_segments, device)
 
 
 def state_pass_torch(prep: PrepTerms, initial_state=None):
@@ -347,6 +410,10 @@ def chunk_gated_delta_rule_two_phase(q, k, v, g, beta, scale=None, initial_state
 # per chunk per CTA (GDN 9.4, KDA 16.8 us: 299 / 534 us for 2048 two-chunk tiles at B=2 H=16 T=8192, 16 waves)
 # and the state pass's per chunk per CTA (1.6-2.2 us, 1.8 fits the 32 unsplit and segmented timings within ~10%).
 PREP_CHUNK_US = {False: 9.4, True: 16.8}
+# GDN's slim phase 1, per chunk per CTA with two CTAs on each SM: 13.96 us measured at B=2 H=16 T=8192 (225 us
+# against 299 us with one CTA per SM, 2026-12-03; 1.33x per SM; the predicted 12.5 / 1.5x was optimistic).
+# CUTE_KERNELS_PREP_SLIM_CHUNK_US overrides it, e.g. with the fit `scripts/time_two_phase.py prep` writes.
+PREP_SLIM_CHUNK_US = float(os.environ.get("CUTE_KERNELS_PREP_SLIM_CHUNK_US", "14.0"))
 STATE_CHUNK_US = {False: 1.8, True: 1.8}
 LAUNCH_US = 2.0
 
@@ -363,7 +430,8 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
 
     H = problem.num_heads
     prep = [min(chunks_per_tile, c - i) for c in problem.chunks for _ in range(H) for i in range(0, c, chunks_per_tile)]
-    t = makespan(prep, slots) * PREP_CHUNK_US[kda] + LAUNCH_US
+    per_sm = prep_ctas_per_sm(kda)
+    t = makespan(prep, slots * per_sm) * (PREP_SLIM_CHUNK_US if per_sm > 1 else PREP_CHUNK_US[kda]) + LAUNCH_US
     lens = []
     for c, n in zip(problem.chunks, counts):
         b = split_even(c, max(1, min(n, c)))

@@ -30,12 +30,25 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     [64 j, 64 j + 64)); the consumers then store the terms: w, u and Aqk through smem in 16-byte rows, qg and kg
     from the (gated) q/k tiles in 16-byte vectors, before releasing the q/k/v stage.
     Work tiles: any chunk ranges (the op uses a few chunks per tile, so every SM has work at small B x H).
+
+    `slim` (GDN only): two CTAs per SM, so one CTA's lock-step phases and loads overlap the other's. 288 threads
+    (consumer warpgroups 0 and 1, the TMA producer is warp 8; no register reallocation: 112 registers each), one
+    q/k/v stage, and a shared-memory struct of its own (~93 KB): qg and kg leave right after step 1, so w is
+    staged in the k tile and u in the v tile it replaces (each warpgroup overwrites only the 64 columns its own
+    product read).
     """
 
     def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
-                 prefetch_gates: bool = False):
+                 prefetch_gates: bool = False, slim: bool = False):
         super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
                          vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
+        if slim and kda:
+            raise ValueError("ChunkPrepSm90: slim (two CTAs per SM) is GDN only (KDA's G tile needs 32 KB more)")
+        self.slim = slim
+        if slim:
+            self.num_stages = 1
+            self.num_threads = 288
+        self.ctas_per_sm = 2 if slim else 1
 
     @cute.jit
     def __call__(
@@ -60,11 +73,43 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         q, k, v, g, beta = flat(q), flat(k), flat(v), flat(g), flat(beta)
         qg, w, u, kg, aqk, eg = flat(qg), flat(w), flat(u), flat(kg), flat(aqk), flat(eg)
         tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor = self.qkv_tma(q, k, v)
-        self.set_shared_storage()
+        if cutlass.const_expr(self.slim):
+            self.set_slim_shared_storage()
+        else:
+            self.set_shared_storage()
         self.prep_kernel(
             tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
             g, beta, qg, w, u, kg, aqk, eg, tiles, num_tiles, scale,
-        ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+                  min_blocks_per_mp=self.ctas_per_sm,
+                  # a fixed carveout (all of the SM for shared memory): no device query when compiling
+                  preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None)
+
+    @cute.jit
+    def set_slim_shared_storage(self):
+        """`slim`: the fields GDN's prep reads, one q/k/v stage (w and u are staged in sK and sV)."""
+        io = self.io_dtype
+
+        @cute.struct
+        class SlimStorage:
+            load_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
+            sXk: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
+            sXv: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
+            sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
+            sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * (C + 1)], 16]
+            sY: cute.struct.Align[cute.struct.MemRange[Float32, 3 * 16 * 16], 16]
+            sG: cute.struct.MemRange[Float32, C]
+            sEG: cute.struct.MemRange[Float32, C]
+            sEGL: cute.struct.MemRange[Float32, C]
+            sBeta: cute.struct.MemRange[Float32, C]
+            sScan: cute.struct.MemRange[Float32, 4]
+
+        self.shared_storage = SlimStorage
+        self.smem_bytes = SlimStorage.size_in_bytes()
+        assert self.smem_bytes <= 232448 // 2 - 1024, f"slim shared storage {self.smem_bytes} B: two CTAs do not fit"
 
     @cute.kernel
     def prep_kernel(
@@ -93,16 +138,25 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
-        if wg == 0:
-            cute.arch.setmaxregister_decrease(40)
-            if warp_idx == 0:
-                ns = self.num_stages
+        ns = self.num_stages
+        if cutlass.const_expr(self.slim):
+            if warp_idx == 8:
                 self.producer(sched, load, tma_q, mQ, tma_k, mK, tma_v, mV,
                               self.view(st.sQ, C, 128, ns), self.view(st.sK, C, 128, ns),
                               self.view(st.sV, C, 128, ns))
+            else:
+                self.prep_consumer(sched, load, wg, tidx, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st)
         else:
-            cute.arch.setmaxregister_increase(232)
-            self.prep_consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st)
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(40)
+                if warp_idx == 0:
+                    self.producer(sched, load, tma_q, mQ, tma_k, mK, tma_v, mV,
+                                  self.view(st.sQ, C, 128, ns), self.view(st.sK, C, 128, ns),
+                                  self.view(st.sV, C, 128, ns))
+            else:
+                cute.arch.setmaxregister_increase(232)
+                self.prep_consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale,
+                                   st)
 
     @cute.jit
     def prep_consumer(self, sched, load, j, ctid, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st):
@@ -114,10 +168,18 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         sK = self.view(st.sK, C, 128, ns)
         sK_mn = self.view(st.sK, C, 128, ns, True)
         sV_mn = self.view(st.sV, C, 128, ns, True)
-        sW = self.view(st.sNegW, C, 128)[None, None, 0]      # w (not negated here), then stored
+        if cutlass.const_expr(self.slim):
+            # w and u replace the k and v columns this consumer's products read (stage 0: one stage)
+            sW_j = cute.local_tile(sK[None, None, 0], (C, HALF), (0, j))
+            sU_j = cute.local_tile(self.view(st.sV, C, 128, ns)[None, None, 0], (C, HALF), (0, j))
+            sW = sFlag = None   # KDA only
+        else:
+            sW = self.view(st.sNegW, C, 128)[None, None, 0]      # w (not negated here), then stored
+            sW_j = cute.local_tile(sW, (C, HALF), (0, j))
+            sU_j = self.view(st.sVnew, C, HALF, 2)[None, None, j]   # u staging, one half per consumer
+            sFlag = st.sFlag.get_tensor(cute.make_layout(4))
         sXv = self.view(st.sXv, C, C)[None, None, 0]
         sAqk = self.view(st.sAqk, C, C)[None, None, 0]
-        sU = self.view(st.sVnew, C, HALF, 2)                  # u staging, one half per consumer
         sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(C + 1, 1)))
         sY = st.sY.get_tensor(cute.make_layout((3, 16, 16), stride=(256, 16, 1)))
         sG = st.sG.get_tensor(cute.make_layout(C))
@@ -125,7 +187,6 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         sEGL = st.sEGL.get_tensor(cute.make_layout(C))
         sBeta = st.sBeta.get_tensor(cute.make_layout(C))
         sScan = st.sScan.get_tensor(cute.make_layout(4))
-        sFlag = st.sFlag.get_tensor(cute.make_layout(4))
         sXk = sXv
         sKb_mn = sK_mn[None, None, 0]
         sGk = sG
@@ -214,6 +275,11 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
+                if cutlass.const_expr(self.slim):
+                    # qg and kg leave now: step 3 overwrites the k tile with w
+                    self.store_scaled_rows(ctid, L, sQ[None, None, stage], mQg, t0, head, scale, sEG, True)
+                    self.store_scaled_rows(ctid, L, sK[None, None, stage], mKg, t0, head, scale, sEGL, False)
+
                 # -- 2. X = (I + Akk)^-1 -> Xv = X diag(beta), GDN: Xk = X diag(beta 2^G)
                 self.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG)
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -225,25 +291,29 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 else:
                     self.gemm(wtid, acc, sXk, cute.local_tile(sK_mn[None, None, stage], (HALF, C), (j, 0)),
                               False, True, False)
-                self.store_acc(wtid, mma64, acc, cute.local_tile(sW, (C, HALF), (0, j)))
+                self.store_acc(wtid, mma64, acc, sW_j)
                 self.gemm(wtid, acc, sXv, cute.local_tile(sV_mn[None, None, stage], (HALF, C), (j, 0)),
                           False, True, False)
-                self.store_acc(wtid, mma64, acc, sU[None, None, j])
+                self.store_acc(wtid, mma64, acc, sU_j)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
                 # -- 4. the terms -> global (rows < L)
-                self.store_rows(wtid, cute.local_tile(sW, (C, HALF), (0, j)), mW, t0, head, v0, L)
-                self.store_rows(wtid, sU[None, None, j], mU, t0, head, v0, L)
+                self.store_rows(wtid, sW_j, mW, t0, head, v0, L)
+                self.store_rows(wtid, sU_j, mU, t0, head, v0, L)
                 if j == 0:
                     self.store_rows(wtid, sAqk, mA, t0, head, 0, L)
-                self.store_scaled_rows(ctid, L, sQ[None, None, stage], mQg, t0, head, scale, sEG, True)
-                self.store_scaled_rows(ctid, L, sK[None, None, stage], mKg, t0, head, scale, sEGL, False)
+                if cutlass.const_expr(not self.slim):
+                    self.store_scaled_rows(ctid, L, sQ[None, None, stage], mQg, t0, head, scale, sEG, True)
+                    self.store_scaled_rows(ctid, L, sK[None, None, stage], mKg, t0, head, scale, sEGL, False)
                 if cutlass.const_expr(kda):
                     if ctid < 128:
                         mEg[t0 + L - 1, head, ctid] = cute.math.exp2(sGL[ctid], fastmath=True)
                 else:
                     if ctid == 0:
                         mEg[t0 + L - 1, head] = sEG[L - 1]
+                if cutlass.const_expr(self.slim):
+                    # generic-proxy writes (w, u) to the stage before the next TMA writes it
+                    cute.arch.fence_proxy("async.shared", space="cta")
                 load.consumer_release(state)
                 state.advance()
                 # Protects every smem buffer from the next chunk's writers.

@@ -122,13 +122,16 @@ def _variants() -> list[Variant]:
             ))
         for mode, init, final in (("forward", True, True), ("summary", False, False),
                                   ("segment_outputs", True, True)):
-            out.append(Variant(
-                op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode),
-                lambda d, kda=kda, mode=mode, init=init, final=final: compile_state_pass(
-                    torch.bfloat16, kda, init, final, mode=mode, dump_dir=d),
-                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"),
-                archs=("sm_90a",),
-            ))
+            for rs in (False, True):   # rs: the state chain in registers (its S update is one m64n128 product)
+                out.append(Variant(
+                    op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode)
+                    + ("_rs" if rs else ""),
+                    lambda d, kda=kda, mode=mode, init=init, final=final, rs=rs: compile_state_pass(
+                        torch.bfloat16, kda, init, final, mode=mode, dump_dir=d, rs=rs),
+                    ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc")
+                    + (("wgmma.mma_async.sync.aligned.m64n128k16",) if rs else ()),
+                    archs=("sm_90a",),
+                ))
     try:
         from schedulers.probe import probe_variants
     except ImportError:

@@ -61,7 +61,11 @@ def main():
             t_gpu = tt.do_bench(call, warmup=10, rep=50, return_mode="median") * 1e3
             print(f"{'kda' if kda else 'gdn'} B={B} H={H} T={T} final={final}: op {t_op:.1f} us | checks "
                   f"{t_chk:.1f} | alloc {t_alloc:.1f} | launch {t_launch:.1f} | gpu {t_gpu:.1f}", flush=True)
-    # The two paths of scheduler=None, eager (back-to-back calls, host clock) against GPU time (do_bench).
+    return paths()
+
+
+def paths():
+    """The two paths of scheduler=None, eager (back-to-back calls, host clock) against GPU time (do_bench)."""
     for kda in (False, True):
         op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
         for B, H, T in [(1, 4, 256), (1, 4, 1024), (1, 4, 4096)]:
@@ -79,4 +83,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(paths() if sys.argv[1:] == ["paths"] else main())

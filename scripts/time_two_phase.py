@@ -4,6 +4,7 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
 
     python3 scripts/time_two_phase.py            # on the H200, after the wheelhouse install
     python3 scripts/time_two_phase.py prep       # only GDN's phase 1, slim (two CTAs per SM) against one CTA per SM
+    python3 scripts/time_two_phase.py state      # only phase 2, SMEM-operand against register (rs) state chain
 """
 
 import os
@@ -71,9 +72,32 @@ def time_prep():
         f.write(f"{best[1]:.2f}\n")
 
 
+def time_state():
+    """Phase 2 alone (torch-made terms), the SMEM-operand and the register (rs) state chain, per chunk on the chain."""
+    for op in ("gdn", "kda"):
+        kda = op == "kda"
+        for B, H, T, n in [(1, 4, 8192, 1), (1, 4, 16384, 1), (1, 4, 16384, 9), (2, 16, 8192, 1)]:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda)
+            chunks = -(-T // 64)
+            line = []
+            outs = []
+            for rs in (False, True):
+                two_phase.STATE_PASS_RS = rs
+                t = graph_us(lambda: two_phase.state_pass(prep, None, True, num_segments=n))
+                outs.append(two_phase.state_pass(prep, None, True, num_segments=n)[0].float())
+                line.append(f"{'rs' if rs else 'smem'} {t:.1f} us ({t / chunks * n:.2f} us per chunk)")
+            two_phase.STATE_PASS_RS = False
+            diff = ((outs[0] - outs[1]).norm() / outs[0].norm()).item()
+            print(f"{op} state pass B={B} H={H} T={T} N={n}: " + " | ".join(line) + f" | rel diff {diff:.1e}",
+                  flush=True)
+
+
 def main():
     if sys.argv[1:] == ["prep"]:
         return time_prep()
+    if sys.argv[1:] == ["state"]:
+        return time_state()
     for op in ("gdn", "kda"):
         kda = op == "kda"
         _, peer = ops.load_peer(op)

@@ -54,9 +54,11 @@ def test_state_pass_rejects_bad_terms():
 
 
 @requires_sm90
+@pytest.mark.parametrize("rs", [False, True])
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("B,T,H,with_init", [(1, 64, 1, False), (2, 1000, 3, True), (1, 4096, 4, True)])
-def test_state_pass_kernel_matches_reference(kda, B, T, H, with_init):
+def test_state_pass_kernel_matches_reference(kda, B, T, H, with_init, rs, monkeypatch):
+    monkeypatch.setattr(two_phase, "STATE_PASS_RS", rs)
     gen = torch.Generator().manual_seed(B * T + H + kda)
     q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
     init = init if with_init else None
@@ -105,7 +107,9 @@ def test_prep_kernel_matches_torch_prep(kda, slim, B, T, H, monkeypatch):
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("B,T,H,with_init,N", [(2, 1000, 3, True, 1), (1, 4096, 4, False, 1), (2, 1000, 3, True, 3),
                                                (1, 4096, 4, False, 8), (1, 4096, 4, True, 32)])
-def test_two_phase_matches_reference(kda, B, T, H, with_init, N, monkeypatch):
+@pytest.mark.parametrize("rs", [False, True])
+def test_two_phase_matches_reference(kda, B, T, H, with_init, N, rs, monkeypatch):
+    monkeypatch.setattr(two_phase, "STATE_PASS_RS", rs)
     monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
     monkeypatch.setattr(two_phase, "_POISON_PREP", True)
     gen = torch.Generator().manual_seed(200 + B * T + H + kda + N)
@@ -256,6 +260,24 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segm
                                                    cu_seqlens=cut)
     assert emulated_state_pass[-1] == ("segment_outputs" if segments else emulated_state_pass[-1])
     assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2, (rel_err(o, want_o), rel_err(s, want_s))
+
+
+def test_plans_follow_kernel_switches(monkeypatch):
+    """A cached plan holds compiled kernels: flipping PREP_SLIM or STATE_PASS_RS must build a new one."""
+    monkeypatch.setattr(two_phase, "_plans", {})
+    monkeypatch.setattr(two_phase, "_schedules", {})
+    seen = []
+    monkeypatch.setattr(two_phase, "compile_chunk_prep",
+                        lambda io, bt, kda, **kw: seen.append(("slim", two_phase.PREP_SLIM)) or PrepEmulator(kda, None))
+    monkeypatch.setattr(two_phase, "compile_state_pass",
+                        lambda *a, **kw: seen.append(("rs", two_phase.STATE_PASS_RS)) or object())
+    cpu = torch.device("cpu")
+    for flag in (False, True, False):
+        monkeypatch.setattr(two_phase, "PREP_SLIM", flag)
+        monkeypatch.setattr(two_phase, "STATE_PASS_RS", flag)
+        two_phase.prep_plan(1, 128, 2, None, False, torch.bfloat16, torch.bfloat16, cpu)
+        two_phase.state_plan(1, 128, 2, None, False, torch.bfloat16, False, True, 1, cpu)
+    assert seen == [("slim", False), ("rs", False), ("slim", True), ("rs", True)]
 
 
 def test_auto_path_choice(monkeypatch):

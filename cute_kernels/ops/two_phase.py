@@ -180,11 +180,13 @@ _plans: dict = {}
 
 
 def _cached_plan(cls, *key):
-    plan = _plans.get((cls, key))
+    """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, STATE_PASS_RS)."""
+    full = (cls, key, PREP_SLIM, STATE_PASS_RS)
+    plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:
             _plans.clear()
-        plan = _plans[(cls, key)] = cls(*key)
+        plan = _plans[full] = cls(*key)
     return plan
 
 
@@ -220,12 +222,19 @@ def prep_plan(B, T, H, cu, kda, io, beta_dtype, device, chunks_per_tile: int = 2
     return _cached_plan(PrepPlan, B, T, H, cu, kda, io, beta_dtype, device, chunks_per_tile)
 
 
+# Phase 2 with the state chain in registers (RS wgmma, `ChunkStatePassSm90(rs=True)`): compiled and CPU-checked,
+# off until it has run on a GPU.
+STATE_PASS_RS = os.environ.get("CUTE_KERNELS_STATE_PASS_RS", "0") == "1"
+
+
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
-                       mode: str = "forward", dump_dir=None):
-    """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed)."""
+                       mode: str = "forward", dump_dir=None, rs: bool | None = None):
+    """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `rs` defaults to
+    STATE_PASS_RS."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
 
-    key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode)
+    rs = STATE_PASS_RS if rs is None else rs
+    key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -236,7 +245,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
         from ..kernels.sm90.state_pass import ChunkStatePassSm90
 
         io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
-        kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode)
+        kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg

@@ -45,6 +45,11 @@ class ChunkStatePassSm90:
     Pipelines: `PipelineTmaAsync` ring (producer = 1 thread, consumer = 4 warps); named barrier 1 for the
     consumer warpgroup between its phases.
 
+    `rs` (compile time): the consumer holds S^T [64 x 128] instead and feeds it to the tensor cores from registers
+    (RS wgmma), so nothing of the state chain goes through shared memory: v_new^T = u^T - S^T w^T and o^T = S^T qg^T
+    (A = S^T in 16-bit registers), then o^T += v_new^T Aqk^T and S^T <- S^T diag(exp(G_last)) + v_new^T kg (A =
+    v_new^T in registers); two dependent wgmma groups and no named barrier per chunk (KDA: one, for its decays).
+
     Modes (compile time): `forward` (start from initial_state[seq] or 0; final_state[seq] after the last segment
     if `store_final_state`); `segment_outputs` (start from start_states[seg_slot], same outputs); `summary` (the
     segment's affine map S_end = M S_start + h_ext, no o: tile block b < V / 64 runs h_ext's columns [64 b, 64 b +
@@ -54,7 +59,7 @@ class ChunkStatePassSm90:
     """
 
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
-                 mode: str = "forward", num_stages: int = NUM_STAGES):
+                 mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False):
         if mode not in ("forward", "segment_outputs", "summary"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
@@ -65,6 +70,7 @@ class ChunkStatePassSm90:
         self.store_final_state = store_final_state
         self.mode = mode
         self.num_stages = num_stages
+        self.rs = rs
         self.num_threads = 256
         self.outputs = mode != "summary"
         wide_tiles = 3 if self.outputs else 2   # qg, w, kg (summary: w, kg)
@@ -126,7 +132,7 @@ class ChunkStatePassSm90:
             sS: cute.struct.Align[cute.struct.MemRange[io, K_DIM * V_BLOCK], 1024]      # bf16 copy of S (k, v)
             sVnew: cute.struct.Align[cute.struct.MemRange[io, C * V_BLOCK], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[io, C * V_BLOCK], 1024]
-            sDecay: cute.struct.MemRange[Float32, K_DIM]                               # exp(G_last) per row of S
+            sDecay: cute.struct.MemRange[Float32, 2 * K_DIM]   # exp(G_last) per row of S (rs, KDA: 2 buffers)
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
@@ -183,7 +189,10 @@ class ChunkStatePassSm90:
                 self.producer(sched, load, loads, mU.shape[1] // V_BLOCK)
         else:
             cute.arch.setmaxregister_increase(232)
-            self.consumer(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
+            if cutlass.const_expr(self.rs):
+                self.consumer_rs(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
+            else:
+                self.consumer(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
 
     @cute.jit
     def producer(self, sched, load, loads, n_vb):
@@ -320,4 +329,107 @@ class ChunkStatePassSm90:
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
                         r, cidx = cc_s[i]
                         mSN[seq, head, r, v0 + cidx] = acc_s[i]
+            work = sched.advance(work)
+
+    @cute.jit
+    def consumer_rs(self, sched, load, wtid, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st):
+        """`rs`: the state chain in registers (see the class docstring). Accumulators are indexed (v, n): v the
+        row of S^T (a V column of the block), n a channel (S^T) or a token (v_new^T, o^T)."""
+        io = self.io_dtype
+        sDecay = st.sDecay.get_tensor(cute.make_layout((K_DIM, 2), stride=(1, K_DIM)))   # KDA: by chunk parity
+        thr_s = wt.make_mma_rs(io, True, K_DIM).get_slice(wtid)    # S^T += v_new^T kg   (64 x 128, K = tokens)
+        thr_t = wt.make_mma_rs(io, False, C).get_slice(wtid)       # x^T = A y^T          (64 x 64)
+        cc_s = thr_s.partition_C(cute.make_identity_tensor((V_BLOCK, K_DIM)))
+        cc_t = thr_t.partition_C(cute.make_identity_tensor((V_BLOCK, C)))
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((V_BLOCK, K_DIM)), Float32)
+        acc_v = cute.make_rmem_tensor(thr_t.partition_shape_C((V_BLOCK, C)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_t.partition_shape_C((V_BLOCK, C)), Float32)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+
+        n_vb = mO.shape[2] // V_BLOCK
+        chunks_done = Int32(0)   # KDA's decay buffer alternates with every chunk, across tiles too
+        work = sched.initial_work()
+        while work.is_valid:
+            seq = work.seq
+            head = work.head
+            blk = work.block
+            v0 = blk * V_BLOCK
+            is_m = blk >= n_vb
+            if cutlass.const_expr(self.mode == "summary"):
+                if is_m:
+                    v0 = (blk - n_vb) * V_BLOCK
+            tok0 = work.tok_start
+            tok_end = work.tok_end
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                vv, kk = cc_s[i]
+                if cutlass.const_expr(self.mode == "summary"):
+                    acc_s[i] = cutlass.select_(is_m and kk == v0 + vv, Float32(1.0), Float32(0.0))
+                elif cutlass.const_expr(self.mode == "segment_outputs"):
+                    acc_s[i] = mS0[work.seg_slot, head, kk, v0 + vv]
+                elif cutlass.const_expr(self.has_initial_state):
+                    acc_s[i] = mS0[seq, head, kk, v0 + vv]
+                else:
+                    acc_s[i] = Float32(0.0)
+
+            for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
+                t0 = tok0 + c * C
+                L = tok_end - t0
+                if L > C:
+                    L = Int32(C)
+                buf = chunks_done % 2
+                chunks_done = chunks_done + 1
+                dg = Float32(1.0)
+                if cutlass.const_expr(self.kda):
+                    # this buffer was last read two chunks ago, before the previous chunk's barrier
+                    sDecay[wtid, buf] = mEg[t0 + L - 1, head, wtid]
+                    cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                else:
+                    dg = Float32(mEg[t0 + L - 1, head])
+                load.consumer_wait(state)
+                stage = state.index
+                # v_new^T = u^T - S^T w^T and o^T = S^T qg^T, one commit (A = S^T from registers)
+                rS = wt.acc_to_a(io, acc_s)
+                wt.gemm_rs(io, wtid, acc_v, rS, sW[None, None, stage], False, False, C, wait=False)
+                if cutlass.const_expr(self.outputs):
+                    wt.gemm_rs(io, wtid, acc_o, rS, sQg[None, None, stage], False, False, C, wait=False)
+                warpgroup.wait_group(0)
+                for i in cutlass.range_constexpr(cute.size(acc_v)):
+                    vv, n = cc_t[i]
+                    uval = Float32(sU[n, vv, stage])
+                    if cutlass.const_expr(self.mode == "summary"):
+                        uval = cutlass.select_(is_m, Float32(0.0), uval)
+                    acc_v[i] = cutlass.select_(n < L, uval - acc_v[i], Float32(0.0))
+                rV = wt.acc_to_a(io, acc_v)
+                # o^T += v_new^T Aqk^T and S^T <- S^T diag(exp(G_last)) + v_new^T kg, one commit (A = v_new^T)
+                if cutlass.const_expr(self.outputs):
+                    wt.gemm_rs(io, wtid, acc_o, rV, sA[None, None, stage], False, True, C, wait=False)
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    if cutlass.const_expr(self.kda):
+                        _, kk = cc_s[i]
+                        acc_s[i] = acc_s[i] * sDecay[kk, buf]
+                    else:
+                        acc_s[i] = acc_s[i] * dg
+                wt.gemm_rs(io, wtid, acc_s, rV, sKg_mn[None, None, stage], True, True, K_DIM, wait=False)
+                warpgroup.wait_group(0)
+                load.consumer_release(state)
+                state.advance()
+                if cutlass.const_expr(self.outputs):
+                    for i in cutlass.range_constexpr(cute.size(acc_o)):
+                        vv, n = cc_t[i]
+                        if n < L:
+                            mO[t0 + n, head, v0 + vv] = io(acc_o[i])
+
+            if cutlass.const_expr(self.mode == "summary"):
+                nslots = mSN.shape[0] // 2
+                dst = work.seg_slot
+                if is_m:
+                    dst = dst + nslots
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    vv, kk = cc_s[i]
+                    mSN[dst, head, kk, v0 + vv] = acc_s[i]
+            elif cutlass.const_expr(self.store_final_state):
+                if work.is_last_segment:
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        vv, kk = cc_s[i]
+                        mSN[seq, head, kk, v0 + vv] = acc_s[i]
             work = sched.advance(work)

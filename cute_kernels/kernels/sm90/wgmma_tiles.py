@@ -95,3 +95,41 @@ def store_rows(io_dtype, wtid, sO, mO, t0, head, v0, L):
         r, _ = coords[(0, 0), m, 0]
         if r < L:
             cute.copy(tiled, src[None, m, None], dst[None, m, None])
+
+
+def make_mma_rs(io_dtype, b_mn_major: bool, n: int = 64):
+    """A one-warpgroup tiled MMA with (64 x n x 16) atoms, A (K-major, 16-bit) from registers, B from smem."""
+    b_major = warpgroup.OperandMajorMode.MN if b_mn_major else warpgroup.OperandMajorMode.K
+    op = warpgroup.MmaF16BF16Op(io_dtype, Float32, (64, n, 16), warpgroup.OperandSource.RMEM,
+                                warpgroup.OperandMajorMode.K, b_major)
+    return cute.make_tiled_mma(cute.make_mma_atom(op), (1, 1, 1))
+
+
+@cute.jit
+def acc_to_a(io_dtype, acc):
+    """An fp32 accumulator of a 64 x N wgmma (one atom: per thread ((2, 2, N / 8), 1, 1) values -- column pairs,
+    rows r and r + 8, N / 8 groups of 8 columns) as the 16-bit A operand of an RS wgmma with K = N: the same
+    values, converted, viewed as ((2, 2, 2), 1, N / 16), i.e. k-block kb = column groups 2 kb and 2 kb + 1."""
+    frag = cute.make_rmem_tensor_like(acc, io_dtype)
+    frag.store(acc.load().to(io_dtype))
+    lay = frag.layout
+    s = lay.stride[0]
+    groups = lay.shape[0][2]
+    a_layout = cute.make_layout(((2, 2, 2), lay.shape[1], groups // 2),
+                                stride=((s[0], s[1], s[2]), lay.stride[1], 2 * s[2]))
+    return cute.make_tensor(frag.iterator, a_layout)
+
+
+@cute.jit
+def gemm_rs(io_dtype, wtid, acc, rA, sB, b_mn_major: bool, accumulate: bool, n: int = 64, wait: bool = True):
+    """acc (+)= A B on one warpgroup, A from registers (`acc_to_a`), B an (N, K) smem view."""
+    tiled_mma = make_mma_rs(io_dtype, b_mn_major, n)
+    thr = tiled_mma.get_slice(wtid)
+    tCrB = tiled_mma.make_fragment_B(thr.partition_B(sB))
+    warpgroup.fence()
+    for kb in cutlass.range_constexpr(cute.size(rA, mode=[2])):
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate or kb != 0)
+        cute.gemm(tiled_mma, acc, rA[None, None, kb], tCrB[None, None, kb], acc)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wait):
+        warpgroup.wait_group(0)

@@ -246,26 +246,11 @@ class ChunkStatePassSm90:
         n_vb = mO.shape[2] // V_BLOCK   # V blocks (summary: blocks past them are M's columns)
         work = sched.initial_work()
         while work.is_valid:
-            seq = work.seq
             head = work.head
-            blk = work.block
-            v0 = blk * V_BLOCK
-            is_m = blk >= n_vb          # summary only: this tile runs M's columns
-            if cutlass.const_expr(self.mode == "summary"):
-                if is_m:
-                    v0 = (blk - n_vb) * V_BLOCK
+            v0, is_m = self.tile_columns(work, n_vb)
             tok0 = work.tok_start
             tok_end = work.tok_end
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                r, cidx = cc_s[i]
-                if cutlass.const_expr(self.mode == "summary"):
-                    acc_s[i] = cutlass.select_(is_m and r == v0 + cidx, Float32(1.0), Float32(0.0))
-                elif cutlass.const_expr(self.mode == "segment_outputs"):
-                    acc_s[i] = mS0[work.seg_slot, head, r, v0 + cidx]
-                elif cutlass.const_expr(self.has_initial_state):
-                    acc_s[i] = mS0[seq, head, r, v0 + cidx]
-                else:
-                    acc_s[i] = Float32(0.0)
+            self.load_start_state(work, head, v0, is_m, acc_s, cc_s, mS0, False)
             wt.store_acc(io, wtid, mma_s, acc_s, sS)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
@@ -315,21 +300,58 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.outputs):
                     wt.store_rows(io, wtid, sO, mO, t0, head, v0, L)
 
-            if cutlass.const_expr(self.mode == "summary"):
-                # h_ext -> summary[slot], M -> summary[slots + slot] (affine_merge's M and h_ext halves).
-                nslots = mSN.shape[0] // 2
-                dst = work.seg_slot
-                if is_m:
-                    dst = dst + nslots
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    r, cidx = cc_s[i]
-                    mSN[dst, head, r, v0 + cidx] = acc_s[i]
-            elif cutlass.const_expr(self.store_final_state):
-                if work.is_last_segment:
-                    for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        r, cidx = cc_s[i]
-                        mSN[seq, head, r, v0 + cidx] = acc_s[i]
+            self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, False)
             work = sched.advance(work)
+
+    @cute.jit
+    def tile_columns(self, work, n_vb):
+        """(v0, is_m): the first state column of the tile's block and, in summary mode, whether the block is one
+        of M's (blocks past the n_vb V blocks), whose columns then restart at 0."""
+        blk = work.block
+        v0 = blk * V_BLOCK
+        is_m = blk >= n_vb
+        if cutlass.const_expr(self.mode == "summary"):
+            if is_m:
+                v0 = (blk - n_vb) * V_BLOCK
+        return v0, is_m
+
+    @cute.jit
+    def load_start_state(self, work, head, v0, is_m, acc_s, cc_s, mS0, transposed: bool):
+        """The tile's start state into acc_s (coordinates cc_s: (k, v), or (v, k) when `transposed`): summary h
+        blocks from 0, M blocks from the identity; segment outputs from start_states[seg_slot]; forward from
+        initial_state[seq] or 0."""
+        src = work.seq   # work fields are loads from the tile table: read each once
+        if cutlass.const_expr(self.mode == "segment_outputs"):
+            src = work.seg_slot
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            a, b = cc_s[i]
+            kk, vv = (b, a) if transposed else (a, b)
+            if cutlass.const_expr(self.mode == "summary"):
+                acc_s[i] = cutlass.select_(is_m and kk == v0 + vv, Float32(1.0), Float32(0.0))
+            elif cutlass.const_expr(self.mode == "segment_outputs" or self.has_initial_state):
+                acc_s[i] = mS0[src, head, kk, v0 + vv]
+            else:
+                acc_s[i] = Float32(0.0)
+
+    @cute.jit
+    def store_end_state(self, work, head, v0, is_m, acc_s, cc_s, mSN, transposed: bool):
+        """Summary: h_ext -> summary[slot], M -> summary[slots + slot] (affine_merge's halves); else the final
+        state of the sequence's last segment, if stored."""
+        if cutlass.const_expr(self.mode == "summary"):
+            dst = work.seg_slot
+            if is_m:
+                dst = dst + mSN.shape[0] // 2
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                a, b = cc_s[i]
+                kk, vv = (b, a) if transposed else (a, b)
+                mSN[dst, head, kk, v0 + vv] = acc_s[i]
+        elif cutlass.const_expr(self.store_final_state):
+            if work.is_last_segment:
+                seq = work.seq
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    a, b = cc_s[i]
+                    kk, vv = (b, a) if transposed else (a, b)
+                    mSN[seq, head, kk, v0 + vv] = acc_s[i]
 
     @cute.jit
     def consumer_rs(self, sched, load, wtid, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st):
@@ -350,26 +372,11 @@ class ChunkStatePassSm90:
         chunks_done = Int32(0)   # KDA's decay buffer alternates with every chunk, across tiles too
         work = sched.initial_work()
         while work.is_valid:
-            seq = work.seq
             head = work.head
-            blk = work.block
-            v0 = blk * V_BLOCK
-            is_m = blk >= n_vb
-            if cutlass.const_expr(self.mode == "summary"):
-                if is_m:
-                    v0 = (blk - n_vb) * V_BLOCK
+            v0, is_m = self.tile_columns(work, n_vb)
             tok0 = work.tok_start
             tok_end = work.tok_end
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                vv, kk = cc_s[i]
-                if cutlass.const_expr(self.mode == "summary"):
-                    acc_s[i] = cutlass.select_(is_m and kk == v0 + vv, Float32(1.0), Float32(0.0))
-                elif cutlass.const_expr(self.mode == "segment_outputs"):
-                    acc_s[i] = mS0[work.seg_slot, head, kk, v0 + vv]
-                elif cutlass.const_expr(self.has_initial_state):
-                    acc_s[i] = mS0[seq, head, kk, v0 + vv]
-                else:
-                    acc_s[i] = Float32(0.0)
+            self.load_start_state(work, head, v0, is_m, acc_s, cc_s, mS0, True)
 
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
                 t0 = tok0 + c * C
@@ -419,17 +426,5 @@ class ChunkStatePassSm90:
                         if n < L:
                             mO[t0 + n, head, v0 + vv] = io(acc_o[i])
 
-            if cutlass.const_expr(self.mode == "summary"):
-                nslots = mSN.shape[0] // 2
-                dst = work.seg_slot
-                if is_m:
-                    dst = dst + nslots
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    vv, kk = cc_s[i]
-                    mSN[dst, head, kk, v0 + vv] = acc_s[i]
-            elif cutlass.const_expr(self.store_final_state):
-                if work.is_last_segment:
-                    for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        vv, kk = cc_s[i]
-                        mSN[seq, head, kk, v0 + vv] = acc_s[i]
+            self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, True)
             work = sched.advance(work)

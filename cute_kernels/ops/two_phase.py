@@ -222,8 +222,9 @@ def prep_plan(B, T, H, cu, kda, io, beta_dtype, device, chunks_per_tile: int = 2
     return _cached_plan(PrepPlan, B, T, H, cu, kda, io, beta_dtype, device, chunks_per_tile)
 
 
-# Phase 2 with the state chain in registers (RS wgmma, `ChunkStatePassSm90(rs=True)`): compiled and CPU-checked,
-# off until it has run on a GPU.
+# Phase 2 with the state chain in registers (RS wgmma, `ChunkStatePassSm90(rs=True)`): correct on the H200 (every
+# rs case of tests/test_two_phase.py) but slower there (2026-12-03: 2.30 vs 1.83 us per chunk GDN, 2.57 vs 1.92
+# KDA; benchmarks/results/state_pass_rs_time_h200_2026-12-03.txt), so off.
 STATE_PASS_RS = os.environ.get("CUTE_KERNELS_STATE_PASS_RS", "0") == "1"
 
 

@@ -417,14 +417,17 @@ class ChunkStatePassSm90:
                     else:
                         acc_s[i] = acc_s[i] * dg
                 wt.gemm_rs(io, wtid, acc_s, rV, sKg_mn[None, None, stage], True, True, K_DIM, wait=False)
-                warpgroup.wait_group(0)
-                load.consumer_release(state)
-                state.advance()
                 if cutlass.const_expr(self.outputs):
+                    # o^T is done one group before the state update: store it while the update runs
+                    warpgroup.wait_group(1)
+                    gO = cute.domain_offset((t0, v0), mO[None, head, None])
                     for i in cutlass.range_constexpr(cute.size(acc_o)):
                         vv, n = cc_t[i]
                         if n < L:
-                            mO[t0 + n, head, v0 + vv] = io(acc_o[i])
+                            gO[n, vv] = io(acc_o[i])
+                warpgroup.wait_group(0)
+                load.consumer_release(state)
+                state.advance()
 
             self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, True)
             work = sched.advance(work)

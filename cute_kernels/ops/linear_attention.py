@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from ..runtime import arch as _arch
 from . import merge as _merge
 from .checks import check_cuda, check_shape, check_tensor
 
@@ -191,10 +192,8 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
              scheduler, out, kda: bool):
     name = "chunk_kda" if kda else "chunk_gated_delta_rule"
     B, T, H, K, V, N, cu = validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda=kda, scale=scale)
-    from ..runtime.arch import device_arch
-
     device = q.device
-    if device_arch(device) != "sm_90a":
+    if _arch.device_arch(device) != "sm_90a":
         raise NotImplementedError(f"{name} runs on SM90 (Hopper) only for now")
     if use_qk_l2norm_in_kernel:
         q = torch.nn.functional.normalize(q.float(), dim=-1).to(q.dtype)
@@ -216,7 +215,7 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         if n is not None:
             _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, kda, device)
             return o, final if output_final_state else None
-    key = (scheduler, B, T, H, cu, str(device), kda, init, AUTO_SEGMENTS, _merge.AFFINE_MERGE_IMPL)
+    key = (scheduler, B, T, H, cu, device, kda, init, AUTO_SEGMENTS, _merge.AFFINE_MERGE_IMPL)
     cached = _schedule_cache.get(key)
     if cached is None:
         cached = _schedule(scheduler, B, T, H, cu, device, kda, init)
@@ -280,10 +279,6 @@ def _two_phase_mode() -> str:
 
 def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -> int | None:
     """The state pass's segment count if this call takes the two-phase path, else None (host side, cached)."""
-    from schedulers import Problem, SegmentScheduler, segmented_cost_us
-
-    from . import two_phase
-
     global _last_choice
     _last_choice = None
     mode = _two_phase_mode()
@@ -292,6 +287,10 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
     key = (mode, scheduler if mode == "1" else None, B, T, H, cu, kda, init, AUTO_SEGMENTS, device)
     choice = _two_phase_plans.get(key)
     if choice is None:
+        from schedulers import Problem, SegmentScheduler, segmented_cost_us
+
+        from . import two_phase
+
         problem = Problem.varlen(list(cu), H) if cu is not None else Problem.fixed(B, T, H)
         sms = _sm_count(device)
         link = MERGE_LINK_US[_merge.merge_impl_for(problem.num_seqs, H, 128, 128, sms)]
@@ -314,11 +313,23 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
     return choice.num_segments if choice.two_phase else None
 
 
+def _two_phase_module():
+    """ops/two_phase.py (imported on first use: it imports this module back when it compiles)."""
+    global _two_phase_mod
+    if _two_phase_mod is None:
+        from . import two_phase
+
+        _two_phase_mod = two_phase
+    return _two_phase_mod
+
+
+_two_phase_mod = None
+
+
 def _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, kda, device):
     """`_forward` through ops/two_phase.py with `n` segments of the state pass, into o (and final, if not None).
     The inputs are validated: the two phases' cached plans launch without checking them again."""
-    from . import two_phase
-
+    two_phase = _two_phase_module()
     B, T, H, _ = k.shape
     g32 = g if g.dtype == torch.float32 else g.float()
     prep = two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device).run(q, k, v, g32, beta, scale)

@@ -262,6 +262,33 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segm
     assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2, (rel_err(o, want_o), rel_err(s, want_s))
 
 
+def test_two_phase_op_writes_into_out(emulated_state_pass, monkeypatch):
+    """`out=` on the two-phase path: results land in the given (NaN-poisoned) tensors, bad ones are rejected before
+    any launch, and output_final_state=False still fills a given final-state tensor but returns None."""
+    import cute_kernels.ops.linear_attention as la
+    import cute_kernels.runtime.arch as arch
+
+    monkeypatch.setattr(la, "TWO_PHASE", True)
+    monkeypatch.setattr(la, "check_cuda", lambda **kw: torch.device("cpu"))
+    monkeypatch.setattr(la, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
+    monkeypatch.setattr(la, "_two_phase_plans", {})
+    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, None))
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, g, beta, init = make(2, 300, 2, False, gen, dtype=torch.bfloat16)
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
+    o = torch.full_like(v, float("nan"))
+    s = torch.full((2, 2, 128, 128), float("nan"))
+    got_o, got_s = la.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=False,
+                                             out=(o, s))
+    assert got_o is o and got_s is None
+    assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2
+    with pytest.raises(ValueError, match=r"out\[o\]"):
+        la.chunk_gated_delta_rule(q, k, v, g, beta, out=(o[:, :100], None))
+    with pytest.raises(TypeError, match=r"out\[final_state\]"):
+        la.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, out=(o, s.double()))
+
+
 def test_plans_follow_kernel_switches(monkeypatch):
     """A cached plan holds compiled kernels: flipping PREP_SLIM or STATE_PASS_RS must build a new one."""
     monkeypatch.setattr(two_phase, "_plans", {})

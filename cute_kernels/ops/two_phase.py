@@ -87,7 +87,7 @@ def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step
                      tokens(out["aqk"], io), tokens(out["eg"], torch.float32), kda)
 
 
-# GDN's phase 1 in its `slim` form: two CTAs per SM (one q/k/v stage, 288 threads, ~93 KB of shared memory).
+# GDN's phase 1 in its `slim` form: two CTAs per SM (one q/k/v stage, 288 threads, ~95 KB of shared memory).
 PREP_SLIM = os.environ.get("CUTE_KERNELS_PREP_SLIM", "1") == "1"
 
 
@@ -350,7 +350,8 @@ class StatePlan:
         schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device)
         self.init, self.device, self.split = init, device, summ is not None
         self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
-        self.dummy = None   # an fp32 [1, 1, K, V] stand-in for a state the kernel neither reads nor writes
+        # an fp32 [1, 1, K, V] stand-in for a state the kernel neither reads nor writes (made here, not per call)
+        self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
         if not self.split:
             self.fn = compile_state_pass(io, kda, init, final)
             return
@@ -360,8 +361,6 @@ class StatePlan:
         self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs")
 
     def run(self, prep: PrepTerms, initial_state, o, final):
-        if final is None and self.dummy is None:
-            self.dummy = torch.empty((1, 1, 128, 128), dtype=torch.float32, device=self.device)
         dummy = final if final is not None else self.dummy
         terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
         if not self.split:

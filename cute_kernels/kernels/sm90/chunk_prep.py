@@ -33,7 +33,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
 
     `slim` (GDN only): two CTAs per SM, so one CTA's lock-step phases and loads overlap the other's. 288 threads
     (consumer warpgroups 0 and 1, the TMA producer is warp 8; no register reallocation: 112 registers each), one
-    q/k/v stage, and a shared-memory struct of its own (~93 KB): qg and kg leave right after step 1, so w is
+    q/k/v stage, and a shared-memory struct of its own (~95 KB): qg and kg leave right after step 1, so w is
     staged in the k tile and u in the v tile it replaces (each warpgroup overwrites only the 64 columns its own
     product read).
     """

@@ -56,6 +56,13 @@ def _variants() -> list[Variant]:
             + (("cp.async.ca.shared.global", "cp.async.wait_group") if impl == "ring" else ()),
             ptx_must_have_sm90=() if impl == "ring" else ("ld.global.v4",),
         ))
+    for init, so in [(True, False), (False, True), (False, False)]:   # the tensor-core chain (SM90 only)
+        out.append(Variant(
+            "affine_merge", f"affine_merge_k128_v128{'_init' if init else ''}_tc" + ("_starts" if so else ""),
+            lambda d, init=init, so=so: compile_affine_merge(128, 128, init, "tc", dump_dir=d, starts_only=so),
+            ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "mbarrier.try_wait"),
+            archs=("sm_90a",),
+        ))
     for dim, dt in [(128, torch.bfloat16), (128, torch.float16), (128, torch.float32), (64, torch.bfloat16)]:
         tag = str(dt).replace("torch.", "")
         out.append(Variant(

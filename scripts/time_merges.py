@@ -9,7 +9,7 @@ import cute_kernels.ops.merge as merge_ops
 BW = 4.2e12
 dev = "cuda"
 
-for impl, N, S, H in [(i, n, s, h) for i in ("simt", "staged", "prefetch", "ring") for n, s, h in [(1, 32, 4), (4, 8, 16), (1, 64, 4)]]:
+for impl, N, S, H in [(i, n, s, h) for i in ("simt", "staged", "prefetch", "ring", "tc") for n, s, h in [(1, 32, 4), (4, 8, 16), (1, 64, 4)]]:
     merge_ops.AFFINE_MERGE_IMPL = impl
     M = torch.randn(N * S, H, 128, 128, device=dev) * 0.05
     h = torch.randn(N * S, H, 128, 128, device=dev)

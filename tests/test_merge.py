@@ -60,7 +60,7 @@ def test_lse_merge_bad_input():
 @requires_gpu
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 64), (128, 64)])
 @pytest.mark.parametrize("with_init", [True, False])
-@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring"])
+@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring", "tc"])
 def test_affine_merge_matches_reference(K, V, with_init, impl, monkeypatch):
     import cute_kernels.ops.merge as merge_ops
 
@@ -87,7 +87,7 @@ def test_affine_merge_matches_reference(K, V, with_init, impl, monkeypatch):
 
 @requires_gpu
 @pytest.mark.parametrize("with_init", [True, False])
-@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring"])
+@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring", "tc"])
 def test_affine_merge_starts_only_never_reads_unneeded_summaries(with_init, impl, monkeypatch):
     """The segmented forward leaves each sequence's last summary (and, without an initial state, the first M)
     unwritten: NaN there must not reach any start state."""
@@ -117,7 +117,7 @@ def test_affine_merge_starts_only_never_reads_unneeded_summaries(with_init, impl
 
 
 @requires_gpu
-@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring"])
+@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring", "tc"])
 def test_affine_merge_long_chain(impl, monkeypatch):
     import cute_kernels.ops.merge as merge_ops
 
@@ -196,6 +196,9 @@ def test_merge_variant_choice(monkeypatch):
     assert merge_ops.merge_impl_for(1, 1, 64, 8, 132) == "prefetch"
     with pytest.raises(ValueError, match="K=48"):
         merge_ops.merge_impl_for(1, 1, 48, 128, 132)
+    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "tc")                # tensor cores: K = 128 only
+    assert merge_ops.merge_impl_for(1, 4, 128, 128, 132) == "tc"
+    assert merge_ops.merge_impl_for(1, 4, 64, 64, 132) == "simt"
     monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "fast")
     with pytest.raises(ValueError, match="CUTE_KERNELS_AFFINE_MERGE"):
         merge_ops.merge_impl_for(1, 1, 128, 128, 132)

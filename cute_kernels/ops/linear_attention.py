@@ -82,7 +82,8 @@ AUTO_SEGMENTS = os.environ.get("CUTE_KERNELS_AUTO_SEGMENTS", "1") == "1"
 # KDA: 16.4 us with KDA_VEC and KDA_PREFETCH on (scripts/gdn_profile.py kda, B=16 H=64 T=4096; 26.0 without).
 CHUNK_US = {False: 9.5, True: 16.4}
 # ring measured slower than prefetch (scripts/time_merges.py: 139.7 vs 125.3 us for 32 segments x 4 heads).
-MERGE_LINK_US = {"simt": 23.8, "staged": 7.6, "prefetch": 3.9, "ring": 4.4}
+MERGE_LINK_US = {"simt": 23.8, "staged": 7.6, "prefetch": 3.9, "ring": 4.4,
+                 "tc": 1.5}   # tc: a guess (24 m64n128k16 per link, ~0.85 us of tensor time), not yet timed
 _auto_schedulers: dict = {}
 
 

@@ -34,9 +34,10 @@ def _outputs(out, *specs):
 # (4 x 8 segments x 16 heads: 254 us vs 111 staged). "auto" (the default): prefetch while its grid fits one
 # CTA per SM, else staged. Env CUTE_KERNELS_AFFINE_MERGE forces one. "ring" (a 3-stage cp.async ring, loads two
 # segments ahead) passes the tests but measured slower than prefetch (139.7 vs 125.3 us, 32 segments x 4 heads),
-# so "auto" never picks it.
+# so "auto" never picks it. "tc" (SM90 only, K = 128: the chain on tensor cores with hi/lo bf16 splits,
+# kernels/sm90/affine_merge_tc.py) is compiled and CPU-checked, not yet run: only forced.
 AFFINE_MERGE_IMPL = os.environ.get("CUTE_KERNELS_AFFINE_MERGE", "auto")
-AFFINE_MERGE_IMPLS = ("simt", "staged", "prefetch", "ring")
+AFFINE_MERGE_IMPLS = ("simt", "staged", "prefetch", "ring", "tc")
 _sm_counts: dict = {}
 
 
@@ -73,6 +74,7 @@ def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, impl: 
 
         cutlass = import_cutlass()  # sets CUTE_DSL_ARCH before the kernel module imports cutlass
         from ..kernels.merge import AffineMerge
+        from ..kernels.sm90.affine_merge_tc import AffineMergeTcSm90
 
         f32, i32 = cutlass.Float32, cutlass.Int32
         args = (
@@ -84,6 +86,8 @@ def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, impl: 
             fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
             fake_stream(),
         )
+        if impl == "tc":
+            return AffineMergeTcSm90(cutlass.BFloat16, has_initial_state, starts_only), args
         return AffineMerge(k_dim, v_dim, has_initial_state, impl, starts_only), args
 
     key = ("affine_merge", k_dim, v_dim, has_initial_state, impl) + (("starts_only",) if starts_only else ())

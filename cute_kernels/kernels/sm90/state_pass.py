@@ -256,10 +256,7 @@ class ChunkStatePassSm90:
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
 
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
-                t0 = tok0 + c * C
-                L = tok_end - t0
-                if L > C:
-                    L = Int32(C)
+                t0, L = chunk_rows(tok0, tok_end, c)
                 # exp(G_last) of this chunk for state row wtid (read once the previous chunk's rows are used).
                 if cutlass.const_expr(self.kda):
                     sDecay[wtid] = mEg[t0 + L - 1, head, wtid]
@@ -379,10 +376,7 @@ class ChunkStatePassSm90:
             self.load_start_state(work, head, v0, is_m, acc_s, cc_s, mS0, True)
 
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
-                t0 = tok0 + c * C
-                L = tok_end - t0
-                if L > C:
-                    L = Int32(C)
+                t0, L = chunk_rows(tok0, tok_end, c)
                 buf = chunks_done % 2
                 chunks_done = chunks_done + 1
                 dg = Float32(1.0)
@@ -431,3 +425,13 @@ class ChunkStatePassSm90:
 
             self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, True)
             work = sched.advance(work)
+
+
+@cute.jit
+def chunk_rows(tok0, tok_end, c):
+    """(t0, L): the first token of chunk c of a tile starting at tok0, and its rows (< C only at the tile's end)."""
+    t0 = tok0 + c * C
+    L = tok_end - t0
+    if L > C:
+        L = Int32(C)
+    return t0, L

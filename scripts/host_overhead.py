@@ -64,20 +64,36 @@ def main():
     return paths()
 
 
+def host_issue_us(fn, calls=20):
+    """Host time per call with an idle GPU queue: the calls return as soon as their launches are queued."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
 def paths():
-    """The two paths of scheduler=None, eager (back-to-back calls, host clock) against GPU time (do_bench)."""
+    """The two paths of scheduler=None: eager (back-to-back calls, host clock), host time alone, and GPU time
+    (do_bench); then the path "auto" takes for an eager call."""
     for kda in (False, True):
         op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
-        for B, H, T in [(1, 4, 256), (1, 4, 1024), (1, 4, 4096)]:
+        for B, H, T in [(1, 4, 64), (1, 4, 128), (1, 4, 256), (1, 4, 1024), (1, 4, 4096)]:
             q, k, v, g, beta = inputs(B, T, H, kda)
             call = lambda: op(q, k, v, g, beta)  # noqa: E731
             line = []
             for mode in ("0", "1"):
                 la.TWO_PHASE = mode
                 call()
-                line.append(f"{'two-phase' if mode == '1' else 'fused'} eager {per_call_us(call, 500):.1f} us, gpu "
+                line.append(f"{'two-phase' if mode == '1' else 'fused'} eager {per_call_us(call, 500):.1f} us, host "
+                            f"{host_issue_us(call):.1f}, gpu "
                             f"{tt.do_bench(call, warmup=10, rep=50, return_mode='median') * 1e3:.1f} us")
             la.TWO_PHASE = "auto"
+            call()
+            _, ran = la._last_choice
+            line.append(f"auto eager: {'two-phase' if ran else 'fused'} {per_call_us(call, 500):.1f} us")
             print(f"{'kda' if kda else 'gdn'} B={B} H={H} T={T}: " + " | ".join(line), flush=True)
     return 0
 

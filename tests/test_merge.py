@@ -186,11 +186,12 @@ def test_lse_merge_schedule_layout():
 
 
 def test_merge_variant_choice(monkeypatch):
-    """'auto' takes prefetch while its grid (V/8 x heads x sequences) fits one CTA per SM, else staged; a variant
-    that does not fit the sizes falls back to one that does; unsupported sizes name K and V."""
+    """'auto' takes prefetch while its grid (V/8 x heads x sequences) fits one CTA per SM, else tc at K = 128, else
+    staged; a variant that does not fit the sizes falls back to one that does; unsupported sizes name K and V."""
     monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "auto")
     assert merge_ops.merge_impl_for(1, 4, 128, 128, 132) == "prefetch"      # 64 CTAs
-    assert merge_ops.merge_impl_for(4, 16, 128, 128, 132) == "staged"       # 1024 CTAs
+    assert merge_ops.merge_impl_for(4, 16, 128, 128, 132) == "tc"           # 1024 prefetch CTAs, K = 128
+    assert merge_ops.merge_impl_for(4, 16, 64, 128, 132) == "staged"        # K = 64: no tc
     monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "staged")
     assert merge_ops.merge_impl_for(1, 1, 128, 16, 132) == "simt"           # V = 16 has no 32-column tile
     assert merge_ops.merge_impl_for(1, 1, 64, 8, 132) == "prefetch"

@@ -85,14 +85,15 @@ def chunk_last_rows(T, B):
 @requires_sm90
 @pytest.mark.parametrize("kda,slim", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("B,T,H", [(1, 64, 1), (2, 1000, 3), (1, 4096, 4)])
-def test_prep_kernel_matches_torch_prep(kda, slim, B, T, H, monkeypatch):
+@pytest.mark.parametrize("chunks_per_tile", [1, 2])
+def test_prep_kernel_matches_torch_prep(kda, slim, B, T, H, chunks_per_tile, monkeypatch):
     monkeypatch.setattr(two_phase, "PREP_SLIM", slim)
     monkeypatch.setattr(two_phase, "_POISON_PREP", True)
     gen = torch.Generator().manual_seed(100 + B * T + H + kda)
     q, k, v, g, beta, _ = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
     want = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=kda)
-    got = two_phase.chunk_prep(q, k, v, g, beta, kda=kda)
-    again = two_phase.chunk_prep(q, k, v, g, beta, kda=kda)
+    got = two_phase.chunk_prep(q, k, v, g, beta, kda=kda, chunks_per_tile=chunks_per_tile)
+    again = two_phase.chunk_prep(q, k, v, g, beta, kda=kda, chunks_per_tile=chunks_per_tile)
     for name in ("qg", "w", "u", "kg", "aqk"):
         x, y = getattr(got, name), getattr(want, name)
         assert not x.isnan().any(), name
@@ -192,6 +193,13 @@ def emulated_state_pass(monkeypatch):
     monkeypatch.setattr(two_phase, "check_cuda", lambda **kw: torch.device("cpu"))
     monkeypatch.setattr(two_phase, "compile_state_pass", fake_compile)
     monkeypatch.setattr(merge_ops, "affine_merge", fake_merge)
+
+    def fake_starts_plan(num_seqs, num_heads, slots, seg_offsets, has_initial_state, device):
+        assert len(seg_offsets) == num_seqs + 1 and seg_offsets[-1] == slots
+        return lambda M, h_ext, init: fake_merge(M, h_ext, seg_offsets, init if has_initial_state else None,
+                                                 starts_only=True)[0]
+
+    monkeypatch.setattr(merge_ops, "affine_merge_starts_plan", fake_starts_plan)
     monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
     monkeypatch.setattr(two_phase, "_plans", {})   # plans hold compiled functions: none of these fakes outlives the test
     two_phase._schedules.clear()
@@ -302,7 +310,7 @@ def test_plans_follow_kernel_switches(monkeypatch):
     for flag in (False, True, False):
         monkeypatch.setattr(two_phase, "PREP_SLIM", flag)
         monkeypatch.setattr(two_phase, "STATE_PASS_RS", flag)
-        two_phase.prep_plan(1, 128, 2, None, False, torch.bfloat16, torch.bfloat16, cpu)
+        two_phase.prep_plan(1, 128, 2, None, False, torch.bfloat16, torch.bfloat16, cpu, 2)
         two_phase.state_plan(1, 128, 2, None, False, torch.bfloat16, False, True, 1, cpu)
     assert seen == [("slim", False), ("rs", False), ("slim", True), ("rs", True)]
 
@@ -323,17 +331,48 @@ def test_auto_path_choice(monkeypatch):
         assert n is not None and n > 1, n     # 4 heads: a split state pass
         plan = la.last_plan()
         assert "path: two-phase" in plan and f"segments per sequence: {n} (all 1 sequences)" in plan, plan
-        choice = la._last_choice
-        assert choice.two_phase_us < choice.fused_us
+        choice, ran = la._last_choice
+        assert ran and choice.two_phase_us < choice.fused_us
         assert la._two_phase_segments(None, 16, 4096, 64, None, cpu, kda, False) is None   # 1024 pairs: fused
-        assert "path: fused" in la.last_plan() and la._last_choice.fused_us < la._last_choice.two_phase_us
+        choice, ran = la._last_choice
+        assert "path: fused" in la.last_plan() and not ran and choice.fused_us < choice.two_phase_us
         assert la._two_phase_segments(SegmentScheduler(num_segments=4), 1, 8192, 4, None, cpu, kda, False) is None
         assert la._last_choice is None
     monkeypatch.setattr(la, "TWO_PHASE", "1")
     assert la._two_phase_segments(None, 16, 4096, 64, None, cpu, False, False) == 1
+    assert la._last_choice[1] and "path: two-phase" in la.last_plan()
     assert la._two_phase_segments(SegmentScheduler(num_segments=4), 1, 8192, 4, None, cpu, False, False) == 4
     monkeypatch.setattr(la, "TWO_PHASE", "0")
     assert la._two_phase_segments(None, 1, 8192, 4, None, cpu, False, False) is None
     monkeypatch.setattr(la, "TWO_PHASE", "yes")
     with pytest.raises(ValueError, match="CUTE_KERNELS_TWO_PHASE"):
         la._two_phase_segments(None, 1, 8192, 4, None, cpu, False, False)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_auto_path_eager_vs_graph(kda, monkeypatch):
+    """"auto" weighs an eager call by max(host, GPU) time (HOST_US): a short call whose two-phase path is faster on
+    the GPU but host-bound goes fused when eager and two-phase under CUDA-graph capture; a long one goes two-phase
+    either way (KDA's fused call is GPU-bound already at T = 256)."""
+    import cute_kernels.ops.linear_attention as la
+
+    monkeypatch.setattr(la, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(la, "TWO_PHASE", "auto")
+    la._two_phase_plans.clear()
+    cpu = torch.device("cpu")
+    capturing = [False]
+    monkeypatch.setattr(la, "_capturing", lambda device: capturing[0])
+    # GDN T=256: fused ~37 us of GPU time vs two-phase ~25 + 49 us of host time; KDA's fused is ~66 us on the GPU
+    for T, eager_two in ((256, kda), (8192, True)):
+        got = {}
+        for capturing[0] in (False, True):
+            got[capturing[0]] = la._two_phase_segments(None, 1, T, 4, None, cpu, kda, False)
+            choice, ran = la._last_choice
+            assert ran == (got[capturing[0]] is not None)
+        assert choice.two_phase and choice.two_phase_us < choice.fused_us, (T, choice.two_phase_us, choice.fused_us)
+        assert got[True] is not None, T                          # graph: the GPU-time choice
+        assert (got[False] is not None) == eager_two, (T, got)   # eager: host time counts
+        if not eager_two:
+            capturing[0] = False
+            la._two_phase_segments(None, 1, T, 4, None, cpu, kda, False)
+            assert "path: fused" in la.last_plan() and "eager calls take the fused path" in la.last_plan()

@@ -82,8 +82,8 @@ AUTO_SEGMENTS = os.environ.get("CUTE_KERNELS_AUTO_SEGMENTS", "1") == "1"
 # KDA: 16.4 us with KDA_VEC and KDA_PREFETCH on (scripts/gdn_profile.py kda, B=16 H=64 T=4096; 26.0 without).
 CHUNK_US = {False: 9.5, True: 16.4}
 # ring measured slower than prefetch (scripts/time_merges.py: 139.7 vs 125.3 us for 32 segments x 4 heads).
-MERGE_LINK_US = {"simt": 23.8, "staged": 7.6, "prefetch": 3.9, "ring": 4.4,
-                 "tc": 1.5}   # tc: a guess (24 m64n128k16 per link, ~0.85 us of tensor time), not yet timed
+# tc: staged's 7.6 times their measured ratio with many chains (50.4 / 100.0 us, 4 x 8 segments x 16 heads).
+MERGE_LINK_US = {"simt": 23.8, "staged": 7.6, "prefetch": 3.9, "ring": 4.4, "tc": 3.8}
 _auto_schedulers: dict = {}
 
 
@@ -126,7 +126,7 @@ def _schedule(scheduler, B, T, H, cu_seqlens, device, kda: bool = False, init: b
 _schedule_cache: dict = {}
 _POISON_SUMMARIES = False   # tests set it: fill the segmented path's summary buffer with NaN before each call
 _last_schedule = None
-_last_choice = None   # PathChoice of the last call when CUTE_KERNELS_TWO_PHASE weighed the two paths
+_last_choice = None   # (PathChoice, took the two-phase path) of the last call under CUTE_KERNELS_TWO_PHASE auto/1
 _dummies: dict = {}
 
 
@@ -141,7 +141,8 @@ def _dummy_state(device) -> torch.Tensor:
 def last_plan() -> str | None:
     """How the last chunk_gated_delta_rule / chunk_kda call split its work (the schedule's `explain()`)."""
     if _last_choice is not None:
-        return _last_choice.explain()
+        choice, ran_two_phase = _last_choice
+        return choice.explain(ran_two_phase)
     return None if _last_schedule is None else _last_schedule.explain()
 
 
@@ -150,15 +151,22 @@ class PathChoice:
     predictions. `fused` is the fused path's Schedule (None when the path was forced)."""
 
     def __init__(self, two_phase: bool, num_segments: int, num_seqs: int, two_phase_us: float,
-                 fused_us: float | None = None, fused=None):
+                 fused_us: float | None = None, fused=None, eager_two_phase: bool | None = None):
         self.two_phase, self.num_segments, self.num_seqs = two_phase, num_segments, num_seqs
         self.two_phase_us, self.fused_us, self.fused = two_phase_us, fused_us, fused
+        # the path of a call outside CUDA-graph capture, where the host's time per call may be the longer one
+        self.eager_two_phase = two_phase if eager_two_phase is None else eager_two_phase
 
-    def explain(self) -> str:
-        pred = f"predicted: two-phase {self.two_phase_us:.0f} us (state pass in {self.num_segments} segments)"
+    def explain(self, ran_two_phase: bool | None = None) -> str:
+        """Which path ran (`ran_two_phase`; default: the GPU-time choice) and why."""
+        ran = self.two_phase if ran_two_phase is None else ran_two_phase
+        pred = f"predicted GPU time: two-phase {self.two_phase_us:.0f} us (state pass in {self.num_segments} segments)"
         if self.fused_us is not None:
             pred += f", fused {self.fused_us:.0f} us"
-        if not self.two_phase:
+        if self.eager_two_phase != self.two_phase:
+            pred += (f"; eager calls take the {'two-phase' if self.eager_two_phase else 'fused'} path (host-bound, "
+                     f"see HOST_US), graph capture the {'two-phase' if self.two_phase else 'fused'} one")
+        if not ran:
             return self.fused.explain() + "\n- path: fused (" + pred + ")"
         return (f"two-phase forward: chunk_prep over every chunk, then the state pass\n"
                 f"segments per sequence: {self.num_segments} (all {self.num_seqs} sequences)\n- path: two-phase ({pred})")
@@ -268,6 +276,22 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
 # (an explicit scheduler keeps the fused kernel); "1" always two-phase (a SegmentScheduler(num_segments=n) then
 # sets the state pass's segment count); "0" never.
 TWO_PHASE = os.environ.get("CUTE_KERNELS_TWO_PHASE", "auto")
+# An eager call (no CUDA-graph capture) takes max(host time, GPU time); "auto" then weighs each path by that.
+# Host time per call on the H200 machine (scripts/host_overhead.py, 2026-12-03): the fused kernel alone 23 us
+# (B=1 H=4 T=64, 12.6 us of GPU time), the two-phase path's two launches 49 us (T=256, 30.6 us of GPU time);
+# each further launch (summary, merge) counted at the 13 us the second launch adds.
+HOST_US = {False: 23.0, True: 49.0}
+HOST_LAUNCH_US = 13.0
+
+
+def _capturing(device) -> bool:
+    """Whether this call is being captured into a CUDA graph (its host time then does not recur)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def host_us(two_phase: bool, launches: int) -> float:
+    """The host's time per eager call of one path with `launches` kernel launches (HOST_US)."""
+    return HOST_US[two_phase] + HOST_LAUNCH_US * (launches - (2 if two_phase else 1))
 _two_phase_plans: dict = {}
 
 
@@ -306,12 +330,16 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
             fused, _ = _schedule(None, B, T, H, cu, device, kda, init)
             cost = SegmentCost(chunk_us=CHUNK_US[kda], link_us=link, first_m=init)
             t1 = segmented_cost_us(problem, fused.segmentation, cost, sms)
-            choice = PathChoice(t2 < t1, n, problem.num_seqs, t2, t1, fused)
+            split1 = fused.segmentation.total_segments > problem.num_seqs
+            e1 = max(t1, host_us(False, 3 if split1 else 1))
+            e2 = max(t2, host_us(True, 4 if n > 1 else 2))
+            choice = PathChoice(t2 < t1, n, problem.num_seqs, t2, t1, fused, eager_two_phase=e2 < e1)
         if len(_two_phase_plans) > 256:
             _two_phase_plans.clear()
         _two_phase_plans[key] = choice
-    _last_choice = choice
-    return choice.num_segments if choice.two_phase else None
+    two = choice.two_phase if _capturing(device) else choice.eager_two_phase
+    _last_choice = (choice, two)
+    return choice.num_segments if two else None
 
 
 def _two_phase_module():

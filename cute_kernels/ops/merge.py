@@ -31,11 +31,13 @@ def _outputs(out, *specs):
 # Variants (cute_kernels/kernels/merge.py), measured on the H200 2026-12-02 (scripts/time_merges.py), us per
 # segment along the serial chain: simt 23.8, staged 7.6, prefetch 3.9 (32 segments x 4 heads x 1 sequence).
 # prefetch runs 4x the CTAs of staged and each reads all of M: with many (sequence, head) pairs it loses
-# (4 x 8 segments x 16 heads: 254 us vs 111 staged). "auto" (the default): prefetch while its grid fits one
-# CTA per SM, else staged. Env CUTE_KERNELS_AFFINE_MERGE forces one. "ring" (a 3-stage cp.async ring, loads two
-# segments ahead) passes the tests but measured slower than prefetch (139.7 vs 125.3 us, 32 segments x 4 heads),
-# so "auto" never picks it. "tc" (SM90 only, K = 128: the chain on tensor cores with hi/lo bf16 splits,
-# kernels/sm90/affine_merge_tc.py) is compiled and CPU-checked, not yet run: only forced.
+# (4 x 8 segments x 16 heads: 254 us vs 111 staged). "ring" (a 3-stage cp.async ring, loads two segments ahead)
+# passes the tests but measured slower than prefetch (139.7 vs 125.3 us, 32 segments x 4 heads). "tc" (SM90,
+# K = 128: the chain on tensor cores with hi/lo bf16 splits, kernels/sm90/affine_merge_tc.py), H200 2026-12-03:
+# every merge test passes; 50.4 us for 4 x 8 segments x 16 heads (staged 100.0, prefetch 232.7), but 144.6 for
+# 32 segments x 4 heads (prefetch 121.9): one CTA per (sequence, head) loads all of each link's M, 64 KB.
+# "auto" (the default): prefetch while its grid fits one CTA per SM, else tc where K = 128, else staged.
+# Env CUTE_KERNELS_AFFINE_MERGE forces one.
 AFFINE_MERGE_IMPL = os.environ.get("CUTE_KERNELS_AFFINE_MERGE", "auto")
 AFFINE_MERGE_IMPLS = ("simt", "staged", "prefetch", "ring", "tc")
 _sm_counts: dict = {}
@@ -53,7 +55,8 @@ def merge_impl_for(num_seqs: int, num_heads: int, k_dim: int, v_dim: int, sms: i
     """The affine-merge variant a call of these sizes runs on a GPU of `sms` SMs (AFFINE_MERGE_IMPL, resolved)."""
     impl = AFFINE_MERGE_IMPL
     if impl == "auto":
-        impl = "prefetch" if (v_dim // 8) * num_heads * num_seqs <= sms else "staged"
+        impl = ("prefetch" if (v_dim // 8) * num_heads * num_seqs <= sms
+                else "tc" if affine_merge_fits("tc", k_dim, v_dim) else "staged")
     elif impl not in AFFINE_MERGE_IMPLS:
         raise ValueError(f"CUTE_KERNELS_AFFINE_MERGE must be 'auto' or one of {AFFINE_MERGE_IMPLS}, got {impl!r}")
     fits = [i for i in (impl,) + AFFINE_MERGE_IMPLS if affine_merge_fits(i, k_dim, v_dim)]
@@ -133,6 +136,26 @@ def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_
     init = initial_state if initial_state is not None else unused
     compiled.fn(M, h_ext, offsets, init, start_states, final_state if final_state is not None else unused)
     return start_states, final_state
+
+
+def affine_merge_starts_plan(num_seqs: int, num_heads: int, slots: int, seg_offsets, has_initial_state: bool,
+                             device):
+    """`affine_merge(..., starts_only=True)` for one fixed configuration (K = V = 128), checked and compiled once:
+    the returned `run(M, h_ext, initial_state) -> start_states` launches without checking its tensors again (the
+    two-phase state pass calls it once per forward with buffers it made itself)."""
+    offsets, n = offsets_tensor("seg_offsets", seg_offsets, slots, device)
+    if n != num_seqs:
+        raise ValueError(f"seg_offsets has {n} sequences, expected {num_seqs}")
+    impl = merge_impl_for(num_seqs, num_heads, 128, 128, sm_count(device))
+    fn = compile_affine_merge(128, 128, has_initial_state, impl, starts_only=True).fn
+
+    def run(M, h_ext, initial_state):
+        starts = torch.empty((slots, num_heads, 128, 128), dtype=torch.float32, device=device)
+        unused = starts[:num_seqs]   # stands in for the final state (and the initial state when there is none)
+        fn(M, h_ext, offsets, initial_state if has_initial_state else unused, starts, unused)
+        return starts
+
+    return run
 
 
 def compile_lse_merge(head_dim: int, out_dtype: torch.dtype, dump_dir=None):

@@ -96,6 +96,12 @@ def prep_ctas_per_sm(kda: bool) -> int:
     return 2 if (PREP_SLIM and not kda) else 1
 
 
+def prep_chunks_per_tile(problem, kda: bool, slots: int) -> int:
+    """Chunks per phase-1 tile: 1 when every chunk of the call gets its own CTA in one wave (a small call then
+    waits for one chunk, not two), else 2 (the tile's second chunk loads under the first one's math)."""
+    return 1 if sum(problem.chunks) * problem.num_heads <= slots * prep_ctas_per_sm(kda) else 2
+
+
 def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool, vec: bool | None = None,
                        prefetch: bool | None = None, slim: bool | None = None, dump_dir=None):
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
@@ -158,9 +164,11 @@ def _cu_tuple(cu_seqlens, B, T):
     return cu
 
 
-def chunk_prep(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_tile: int = 2, cu_seqlens=None) -> PrepTerms:
+def chunk_prep(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_tile: int | None = None,
+               cu_seqlens=None) -> PrepTerms:
     """Phase 1 on the GPU (`ChunkPrepSm90`): the same terms as `chunk_prep_torch` (eg written at each chunk's last
-    row only), one CTA per `chunks_per_tile` chunks of one (sequence, head). [B, T, H, D] inputs, or packed
+    row only), one CTA per `chunks_per_tile` chunks of one (sequence, head) (None: `prep_chunks_per_tile`).
+    [B, T, H, D] inputs, or packed
     sequences ([1, T, ...] with `cu_seqlens`: chunks start at each sequence's start)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -199,6 +207,11 @@ class PrepPlan:
 
         self.shape, self.kda, self.device = (B, T, H), kda, device
         problem = _problem(B, T, H, cu)
+        if chunks_per_tile is None:
+            from .linear_attention import _sm_count
+
+            chunks_per_tile = prep_chunks_per_tile(problem, kda, _sm_count(device))
+        self.chunks_per_tile = chunks_per_tile
         seg = Segmentation([split_even(c, max(1, -(-c // chunks_per_tile))) for c in problem.chunks])
         schedule = schedule_from_segmentation(problem, seg, "prep")
         self.fn = compile_chunk_prep(io, beta_dtype, kda).fn if T else None
@@ -218,14 +231,15 @@ class PrepPlan:
         return PrepTerms(qg, w, u, kg, aqk, eg, self.kda)
 
 
-def prep_plan(B, T, H, cu, kda, io, beta_dtype, device, chunks_per_tile: int = 2) -> PrepPlan:
+def prep_plan(B, T, H, cu, kda, io, beta_dtype, device, chunks_per_tile: int | None = None) -> PrepPlan:
     return _cached_plan(PrepPlan, B, T, H, cu, kda, io, beta_dtype, device, chunks_per_tile)
 
 
-# Phase 2 with the state chain in registers (RS wgmma, `ChunkStatePassSm90(rs=True)`): correct on the H200 (every
-# rs case of tests/test_two_phase.py) but slower there (2026-12-03: 2.30 vs 1.83 us per chunk GDN, 2.57 vs 1.92
-# KDA; benchmarks/results/state_pass_rs_time_h200_2026-12-03.txt), so off.
-STATE_PASS_RS = os.environ.get("CUTE_KERNELS_STATE_PASS_RS", "0") == "1"
+# Phase 2 with the state chain in registers (RS wgmma, `ChunkStatePassSm90(rs=True)`), on by default: correct on
+# the H200 (every rs case of tests/test_two_phase.py) and, once its o^T stores overlap the state update, faster
+# there (2026-12-03, scripts/time_two_phase.py state: GDN 1.62 vs 1.81 us per chunk, KDA 1.69 vs 1.71;
+# benchmarks/results/state_pass_rs_time_h200_2026-12-03.txt has the earlier, slower rs: 2.30 / 2.57).
+STATE_PASS_RS = os.environ.get("CUTE_KERNELS_STATE_PASS_RS", "1") == "1"
 
 
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
@@ -344,9 +358,8 @@ class StatePlan:
     (no checks: the caller has validated its tensors)."""
 
     def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device):
-        from .merge import affine_merge
+        from . import merge
 
-        self.affine_merge = affine_merge
         schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device)
         self.init, self.device, self.split = init, device, summ is not None
         self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
@@ -355,7 +368,9 @@ class StatePlan:
         if not self.split:
             self.fn = compile_state_pass(io, kda, init, final)
             return
-        self.slots, self.seg_offsets = schedule.segmentation.total_segments, schedule.seg_offsets
+        self.slots = schedule.segmentation.total_segments
+        self.merge = merge.affine_merge_starts_plan(len(schedule.seg_offsets) - 1, H, self.slots,
+                                                    schedule.seg_offsets, init, device)
         self.summary_fn = compile_state_pass(io, kda, False, False, mode="summary") if summ.num_tiles else None
         self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0])
         self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs")
@@ -372,8 +387,7 @@ class StatePlan:
             summary.fill_(float("nan"))
         if self.summary_fn is not None:
             self.summary_fn.fn(*terms, prep.u, summary, summary, *self.summary_launch)
-        starts, _ = self.affine_merge(summary[self.slots:], summary[:self.slots], self.seg_offsets, initial_state,
-                                      starts_only=True)
+        starts = self.merge(summary[self.slots:], summary[:self.slots], initial_state)
         self.fn.fn(*terms, o, starts, dummy, *self.launch)
         return o, final
 
@@ -423,21 +437,26 @@ PREP_CHUNK_US = {False: 9.4, True: 16.8}
 # against 299 us with one CTA per SM, 2026-12-03; 1.33x per SM; the predicted 12.5 / 1.5x was optimistic).
 # CUTE_KERNELS_PREP_SLIM_CHUNK_US overrides it, e.g. with the fit `scripts/time_two_phase.py prep` writes.
 PREP_SLIM_CHUNK_US = float(os.environ.get("CUTE_KERNELS_PREP_SLIM_CHUNK_US", "14.0"))
-STATE_CHUNK_US = {False: 1.8, True: 1.8}
+# The rs state pass per chunk per CTA (2026-12-03, unsplit B=1 H=4 and B=2 H=16 T=8192: GDN 1.61-1.69, KDA
+# 1.69-1.87); the smem variant's were 1.8 for both.
+STATE_CHUNK_US = {False: 1.65, True: 1.75} if STATE_PASS_RS else {False: 1.8, True: 1.8}
 LAUNCH_US = 2.0
 
 
-def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: float, chunks_per_tile: int = 2):
+def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: float,
+                 chunks_per_tile: int | None = None):
     """Predicted GPU time of the two-phase forward with `counts` segments per sequence (`problem`: one block).
 
-    Phase 1: tiles of `chunks_per_tile` chunks per (sequence, head). Phase 2: output tiles per (sequence, segment,
-    head, 64 V columns); if split, summary tiles (2 h_ext blocks per segment but the last, plus 2 M blocks except
+    Phase 1: tiles of `chunks_per_tile` chunks per (sequence, head) (None: as `prep_chunks_per_tile`).
+    Phase 2: output tiles per (sequence, segment, head, 64 V columns); if split, summary tiles (2 h_ext blocks per segment but the last, plus 2 M blocks except
     the first segment's without an initial state), N - 1 merge links and two more launches.
     """
     from schedulers import split_even
     from schedulers.heuristics import makespan
 
     H = problem.num_heads
+    if chunks_per_tile is None:
+        chunks_per_tile = prep_chunks_per_tile(problem, kda, slots)
     prep = [min(chunks_per_tile, c - i) for c in problem.chunks for _ in range(H) for i in range(0, c, chunks_per_tile)]
     per_sm = prep_ctas_per_sm(kda)
     t = makespan(prep, slots * per_sm) * (PREP_SLIM_CHUNK_US if per_sm > 1 else PREP_CHUNK_US[kda]) + LAUNCH_US

@@ -75,9 +75,21 @@ def host_issue_us(fn, calls=20):
     return t
 
 
+def ffi_args():
+    """TVM-FFI's cost per torch tensor argument (a no-op FFI function; the C DLPack exchange makes it ~0.1 us)."""
+    import tvm_ffi
+
+    nop = tvm_ffi.get_global_func("testing.nop")
+    ts = [torch.empty(4, 4, device="cuda") for _ in range(10)]
+    t0, t10 = per_call_us(lambda: nop(), 5000), per_call_us(lambda: nop(*ts), 5000)
+    print(f"tvm-ffi: C DLPack exchange {hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}, call {t0:.2f} us, "
+          f"{(t10 - t0) / 10:.2f} us per tensor argument", flush=True)
+
+
 def paths():
     """The two paths of scheduler=None: eager (back-to-back calls, host clock), host time alone, and GPU time
     (do_bench); then the path "auto" takes for an eager call."""
+    ffi_args()
     for kda in (False, True):
         op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
         for B, H, T in [(1, 4, 64), (1, 4, 128), (1, 4, 256), (1, 4, 1024), (1, 4, 4096)]:

@@ -376,3 +376,38 @@ def test_auto_path_eager_vs_graph(kda, monkeypatch):
             capturing[0] = False
             la._two_phase_segments(None, 1, T, 4, None, cpu, kda, False)
             assert "path: fused" in la.last_plan() and "eager calls take the fused path" in la.last_plan()
+
+
+def test_eager_fused_call_builds_the_graph_paths_plans(emulated_state_pass, monkeypatch):
+    """A short GDN call goes fused when eager but two-phase under CUDA-graph capture, where nothing can be copied
+    to the GPU: the eager call builds the two-phase plans, so the captured call only launches."""
+    import cute_kernels.ops.linear_attention as la
+    import cute_kernels.runtime.arch as arch
+
+    monkeypatch.setattr(la, "TWO_PHASE", "auto")
+    monkeypatch.setattr(la, "check_cuda", lambda **kw: torch.device("cpu"))
+    monkeypatch.setattr(la, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
+    monkeypatch.setattr(la, "_two_phase_plans", {})
+    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, None))
+    fused_calls = []
+
+    class FusedStub:
+        def fn(self, *args):
+            fused_calls.append(args)
+
+    monkeypatch.setattr(la, "compile_gdn_sm90", lambda *a, **kw: FusedStub())
+    capturing = [False]
+    monkeypatch.setattr(la, "_capturing", lambda device: capturing[0])
+    q, k, v, g, beta, _ = make(1, 256, 4, False, torch.Generator().manual_seed(5), dtype=torch.bfloat16)
+    la.chunk_gated_delta_rule(q, k, v, g, beta)
+    assert len(fused_calls) == 1 and not la._last_choice[1]          # eager: fused ran
+    kinds = sorted(type(p).__name__ for p in two_phase._plans.values())
+    assert kinds == ["PrepPlan", "StatePlan"], kinds                  # ... and the two-phase plans exist
+    built = dict(two_phase._plans)
+    capturing[0] = True
+    o, _ = la.chunk_gated_delta_rule(q, k, v, g, beta)
+    assert la._last_choice[1] and len(fused_calls) == 1               # captured: two-phase, no new plan
+    assert two_phase._plans == built
+    want, _ = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta)
+    assert rel_err(o, want) < 1e-2

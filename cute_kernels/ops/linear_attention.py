@@ -224,6 +224,11 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         if n is not None:
             _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, kda, device)
             return o, final if output_final_state else None
+        if _last_choice is not None and _last_choice[0].two_phase:
+            # An eager call that went fused where a CUDA-graph capture of it goes two-phase: build the two-phase
+            # plans now (compiled kernels, tile tables copied to the GPU), since a capture cannot copy them.
+            _two_phase_plans_ready(q, beta, B, T, H, cu, kda, init, final is not None, _last_choice[0].num_segments,
+                                   device)
     key = (scheduler, B, T, H, cu, device, kda, init, AUTO_SEGMENTS, _merge.AFFINE_MERGE_IMPL)
     cached = _schedule_cache.get(key)
     if cached is None:
@@ -364,6 +369,13 @@ def _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, 
     prep = two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device).run(q, k, v, g32, beta, scale)
     plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, initial_state is not None, final is not None, n, device)
     plan.run(prep, initial_state, o, final)
+
+
+def _two_phase_plans_ready(q, beta, B, T, H, cu, kda, init, store_final, n, device):
+    """Build (once; cached) the two-phase plans `_two_phase_forward` would use for this call, without running."""
+    two_phase = _two_phase_module()
+    two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device)
+    two_phase.state_plan(B, T, H, cu, kda, q.dtype, init, store_final, n, device)
 
 
 # KDA's per-element passes in 16-byte vectors (`vec_elementwise`) and its gates prefetched one chunk ahead (g by

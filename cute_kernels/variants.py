@@ -139,6 +139,14 @@ def _variants() -> list[Variant]:
                     + (("wgmma.mma_async.sync.aligned.m64n128k16",) if rs else ()),
                     archs=("sm_90a",),
                 ))
+        # rs with a 3-stage ring, exp(G_last) loaded one chunk ahead, o's product off the wait
+        out.append(Variant(
+            op, f"{tag}_state_pass_sm90_bfloat16_rs3pfo",
+            lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, True, True, dump_dir=d, rs=True, num_stages=3,
+                                                  prefetch_eg=True, overlap_o=True),
+            ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor", "setmaxnreg.inc"),
+            archs=("sm_90a",),
+        ))
     try:
         from schedulers.probe import probe_variants
     except ImportError:

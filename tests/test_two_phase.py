@@ -53,12 +53,24 @@ def test_state_pass_rejects_bad_terms():
         two_phase.state_pass(prep)
 
 
+# state-pass variants: (rs, ring stages, exp(G_last) one chunk ahead, o's product off the wait)
+STATE_VARIANTS = {"smem": (False, 2, False, False), "rs": (True, 2, False, False), "rs3pfo": (True, 3, True, True)}
+
+
+def use_state_variant(monkeypatch, name):
+    rs, stages, prefetch, overlap = STATE_VARIANTS[name]
+    monkeypatch.setattr(two_phase, "STATE_PASS_RS", rs)
+    monkeypatch.setattr(two_phase, "STATE_STAGES", stages)
+    monkeypatch.setattr(two_phase, "STATE_PREFETCH_EG", prefetch)
+    monkeypatch.setattr(two_phase, "STATE_OVERLAP_O", overlap)
+
+
 @requires_sm90
-@pytest.mark.parametrize("rs", [False, True])
+@pytest.mark.parametrize("variant", list(STATE_VARIANTS))
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("B,T,H,with_init", [(1, 64, 1, False), (2, 1000, 3, True), (1, 4096, 4, True)])
-def test_state_pass_kernel_matches_reference(kda, B, T, H, with_init, rs, monkeypatch):
-    monkeypatch.setattr(two_phase, "STATE_PASS_RS", rs)
+def test_state_pass_kernel_matches_reference(kda, B, T, H, with_init, variant, monkeypatch):
+    use_state_variant(monkeypatch, variant)
     gen = torch.Generator().manual_seed(B * T + H + kda)
     q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
     init = init if with_init else None
@@ -108,9 +120,9 @@ def test_prep_kernel_matches_torch_prep(kda, slim, B, T, H, chunks_per_tile, mon
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("B,T,H,with_init,N", [(2, 1000, 3, True, 1), (1, 4096, 4, False, 1), (2, 1000, 3, True, 3),
                                                (1, 4096, 4, False, 8), (1, 4096, 4, True, 32)])
-@pytest.mark.parametrize("rs", [False, True])
-def test_two_phase_matches_reference(kda, B, T, H, with_init, N, rs, monkeypatch):
-    monkeypatch.setattr(two_phase, "STATE_PASS_RS", rs)
+@pytest.mark.parametrize("variant", list(STATE_VARIANTS))
+def test_two_phase_matches_reference(kda, B, T, H, with_init, N, variant, monkeypatch):
+    use_state_variant(monkeypatch, variant)
     monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
     monkeypatch.setattr(two_phase, "_POISON_PREP", True)
     gen = torch.Generator().manual_seed(200 + B * T + H + kda + N)

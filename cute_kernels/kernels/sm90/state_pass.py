@@ -42,13 +42,19 @@ class ChunkStatePassSm90:
     - warpgroup 1: consumer (registers raised to 232). Holds S in wgmma accumulator registers for the whole tile,
       a bf16 copy of it in smem as the B operand; issues w S and qg S together, then Aqk v_new and the state
       update together (one commit each).
-    Pipelines: `PipelineTmaAsync` ring (producer = 1 thread, consumer = 4 warps); named barrier 1 for the
+    Pipelines: `PipelineTmaAsync` ring of `num_stages` (2; rs: up to 3, its smem holds only the ring) stages
+    (producer = 1 thread, consumer = 4 warps); named barrier 1 for the
     consumer warpgroup between its phases.
 
     `rs` (compile time): the consumer holds S^T [64 x 128] instead and feeds it to the tensor cores from registers
     (RS wgmma), so nothing of the state chain goes through shared memory: v_new^T = u^T - S^T w^T and o^T = S^T qg^T
     (A = S^T in 16-bit registers), then o^T += v_new^T Aqk^T and S^T <- S^T diag(exp(G_last)) + v_new^T kg (A =
     v_new^T in registers); two dependent wgmma groups and no named barrier per chunk (KDA: one, for its decays).
+
+    `prefetch_eg` (rs only): each chunk's exp(G_last) is loaded one chunk ahead, so its global-load latency is
+    hidden under the previous chunk's products instead of sitting on the serial chain. `overlap_o` (rs only): u is
+    read into registers before the chunk's first products, and only v_new's product is waited for before the
+    subtraction (o's product, off the chain, runs on under it).
 
     Modes (compile time): `forward` (start from initial_state[seq] or 0; final_state[seq] after the last segment
     if `store_final_state`); `segment_outputs` (start from start_states[seg_slot], same outputs); `summary` (the
@@ -59,7 +65,8 @@ class ChunkStatePassSm90:
     """
 
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
-                 mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False):
+                 mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, prefetch_eg: bool = False,
+                 overlap_o: bool = False):
         if mode not in ("forward", "segment_outputs", "summary"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
@@ -71,6 +78,14 @@ class ChunkStatePassSm90:
         self.mode = mode
         self.num_stages = num_stages
         self.rs = rs
+        if prefetch_eg and not rs:
+            raise ValueError("prefetch_eg is a switch of the rs consumer (rs=True)")
+        if overlap_o and not rs:
+            raise ValueError("overlap_o is a switch of the rs consumer (rs=True)")
+        self.prefetch_eg = prefetch_eg
+        self.overlap_o = overlap_o
+        if not rs and num_stages > 2:
+            raise ValueError(f"the smem-operand consumer fits at most 2 stages, got {num_stages}")
         self.num_threads = 256
         self.outputs = mode != "summary"
         wide_tiles = 3 if self.outputs else 2   # qg, w, kg (summary: w, kg)
@@ -134,7 +149,17 @@ class ChunkStatePassSm90:
             sO: cute.struct.Align[cute.struct.MemRange[io, C * V_BLOCK], 1024]
             sDecay: cute.struct.MemRange[Float32, 2 * K_DIM]   # exp(G_last) per row of S (rs, KDA: 2 buffers)
 
-        self.shared_storage = SharedStorage
+        @cute.struct
+        class SharedStorageRs:   # rs: S, v_new and o never pass through shared memory (room for a third stage)
+            load_mbar: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            sQg: cute.struct.Align[cute.struct.MemRange[io, C * K_DIM * stages], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[io, C * K_DIM * stages], 1024]
+            sKg: cute.struct.Align[cute.struct.MemRange[io, C * K_DIM * stages], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[io, C * V_BLOCK * stages], 1024]
+            sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C * stages], 1024]
+            sDecay: cute.struct.MemRange[Float32, 2 * K_DIM]
+
+        self.shared_storage = SharedStorageRs if self.rs else SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB of an SM90 CTA"
         self.kernel(tma_qg, tma_qg_t, tma_w, tma_w_t, tma_kg, tma_kg_t, tma_u, tma_u_t, tma_a, tma_a_t,
@@ -374,29 +399,54 @@ class ChunkStatePassSm90:
             tok0 = work.tok_start
             tok_end = work.tok_end
             self.load_start_state(work, head, v0, is_m, acc_s, cc_s, mS0, True)
+            n_chunks = work.chunk_end - work.chunk_start
+            eg_next = Float32(1.0)
+            if cutlass.const_expr(self.prefetch_eg):
+                eg_next = self.load_eg(mEg, tok0, tok_end, 0, head, wtid)
 
-            for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
+            for c in cutlass.range(n_chunks, unroll=1):
                 t0, L = chunk_rows(tok0, tok_end, c)
                 buf = chunks_done % 2
                 chunks_done = chunks_done + 1
+                # exp(G_last) of this chunk (GDN: per head; KDA: channel wtid). prefetch_eg: loaded one chunk ahead,
+                # so its latency hides under the previous chunk's products instead of sitting on the chain.
+                eg_c = eg_next
+                if cutlass.const_expr(self.prefetch_eg):
+                    if c + 1 < n_chunks:
+                        eg_next = self.load_eg(mEg, tok0, tok_end, c + 1, head, wtid)
+                else:
+                    eg_c = self.load_eg(mEg, tok0, tok_end, c, head, wtid)
                 dg = Float32(1.0)
                 if cutlass.const_expr(self.kda):
                     # this buffer was last read two chunks ago, before the previous chunk's barrier
-                    sDecay[wtid, buf] = mEg[t0 + L - 1, head, wtid]
+                    sDecay[wtid, buf] = eg_c
                     cute.arch.barrier(barrier_id=1, number_of_threads=128)
                 else:
-                    dg = Float32(mEg[t0 + L - 1, head])
+                    dg = eg_c
                 load.consumer_wait(state)
                 stage = state.index
                 # v_new^T = u^T - S^T w^T and o^T = S^T qg^T, one commit (A = S^T from registers)
                 rS = wt.acc_to_a(io, acc_s)
+                u_reg = cute.make_rmem_tensor(acc_v.layout, Float32)
+                if cutlass.const_expr(self.overlap_o):
+                    # u^T into registers now: the smem reads overlap the products below
+                    for i in cutlass.range_constexpr(cute.size(acc_v)):
+                        vv, n = cc_t[i]
+                        u_reg[i] = Float32(sU[n, vv, stage])
                 wt.gemm_rs(io, wtid, acc_v, rS, sW[None, None, stage], False, False, C, wait=False)
                 if cutlass.const_expr(self.outputs):
                     wt.gemm_rs(io, wtid, acc_o, rS, sQg[None, None, stage], False, False, C, wait=False)
-                warpgroup.wait_group(0)
+                if cutlass.const_expr(self.overlap_o and self.outputs):
+                    warpgroup.wait_group(1)   # v_new's product only: o's runs on under the subtraction
+                else:
+                    warpgroup.wait_group(0)
                 for i in cutlass.range_constexpr(cute.size(acc_v)):
                     vv, n = cc_t[i]
-                    uval = Float32(sU[n, vv, stage])
+                    uval = Float32(0.0)
+                    if cutlass.const_expr(self.overlap_o):
+                        uval = u_reg[i]
+                    else:
+                        uval = Float32(sU[n, vv, stage])
                     if cutlass.const_expr(self.mode == "summary"):
                         uval = cutlass.select_(is_m, Float32(0.0), uval)
                     acc_v[i] = cutlass.select_(n < L, uval - acc_v[i], Float32(0.0))
@@ -425,6 +475,18 @@ class ChunkStatePassSm90:
 
             self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, True)
             work = sched.advance(work)
+
+
+    @cute.jit
+    def load_eg(self, mEg, tok0, tok_end, c, head, wtid):
+        """exp(G_last) of chunk c of a tile: GDN's per head, KDA's of channel `wtid`."""
+        t0, L = chunk_rows(tok0, tok_end, c)
+        val = Float32(0.0)
+        if cutlass.const_expr(self.kda):
+            val = Float32(mEg[t0 + L - 1, head, wtid])
+        else:
+            val = Float32(mEg[t0 + L - 1, head])
+        return val
 
 
 @cute.jit

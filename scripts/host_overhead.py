@@ -6,6 +6,9 @@ Times, per call, averaged over back-to-back calls with one synchronize at the en
   alloc   the output allocation (`torch.empty_like(v)` + the final state)
   launch  the compiled kernel called directly with prepared arguments (TVM-FFI + the CUDA launch)
   gpu     GPU time of one call (do_bench median) -- when op > gpu, the call is host-bound
+
+`paths`: both paths of scheduler=None, eager / host / GPU time (CUDA-graph replay), then each step of the
+two-phase path's host time (B=1 H=4 T=256).
 """
 
 import sys
@@ -86,6 +89,69 @@ def ffi_args():
           f"{(t10 - t0) / 10:.2f} us per tensor argument", flush=True)
 
 
+def graph_gpu_us(fn, calls: int = 10, reps: int = 5) -> float:
+    """GPU time per call from CUDA-graph replay of `calls` calls (no host gaps; do_bench on an eager call measures
+    the host when the call is host-bound)."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def two_phase_breakdown():
+    """Host time of each step of the two-phase path's eager call (launches queued on an idle GPU, 50 calls each)."""
+    from cute_kernels.ops import two_phase as tp
+
+    for kda in (False, True):
+        B, H, T = 1, 4, 256
+        q, k, v, g, beta = inputs(B, T, H, kda)
+        op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
+        la.TWO_PHASE = "1"
+        call = lambda: op(q, k, v, g, beta)  # noqa: E731
+        call()
+        dev = q.device
+        n = la._last_choice[0].num_segments
+        g32 = g.float()
+        prep_plan = tp.prep_plan(B, T, H, None, kda, q.dtype, beta.dtype, dev)
+        state_plan = tp.state_plan(B, T, H, None, kda, q.dtype, False, False, n, dev)
+        prep = prep_plan.run(q, k, v, g32, beta, 0.1)
+        o = torch.empty_like(v)
+        parts = {
+            "whole call": call,
+            "validate_inputs": lambda: la.validate_inputs(q, k, v, g, beta, None, None, kda, None),
+            "path choice": lambda: la._two_phase_segments(None, B, T, H, None, dev, kda, False),
+            "is_capturing": lambda: torch.cuda.is_current_stream_capturing(),
+            "o alloc": lambda: torch.empty_like(v),
+            "plan lookups": lambda: (tp.prep_plan(B, T, H, None, kda, q.dtype, beta.dtype, dev),
+                                     tp.state_plan(B, T, H, None, kda, q.dtype, False, False, n, dev)),
+            "prep terms alloc": lambda: (torch.empty((4, B, T, H, 128), dtype=q.dtype, device=dev),
+                                         torch.empty((B, T, H, 64), dtype=q.dtype, device=dev),
+                                         torch.empty((B, T, H, 128) if kda else (B, T, H), dtype=torch.float32,
+                                                     device=dev)),
+            "prep run (alloc + launch)": lambda: prep_plan.run(q, k, v, g32, beta, 0.1),
+            "state run (launch)": lambda: state_plan.run(prep, None, o, None),
+        }
+        line = [f"{name} {host_issue_us(fn, 50):.1f}" for name, fn in parts.items()]
+        la.TWO_PHASE = "auto"
+        print(f"{'kda' if kda else 'gdn'} B={B} H={H} T={T} two-phase host us: " + " | ".join(line), flush=True)
+
+
 def paths():
     """The two paths of scheduler=None: eager (back-to-back calls, host clock), host time alone, and GPU time
     (do_bench); then the path "auto" takes for an eager call."""
@@ -100,13 +166,13 @@ def paths():
                 la.TWO_PHASE = mode
                 call()
                 line.append(f"{'two-phase' if mode == '1' else 'fused'} eager {per_call_us(call, 500):.1f} us, host "
-                            f"{host_issue_us(call):.1f}, gpu "
-                            f"{tt.do_bench(call, warmup=10, rep=50, return_mode='median') * 1e3:.1f} us")
+                            f"{host_issue_us(call, 50):.1f}, gpu (graph) {graph_gpu_us(call):.1f} us")
             la.TWO_PHASE = "auto"
             call()
             _, ran = la._last_choice
             line.append(f"auto eager: {'two-phase' if ran else 'fused'} {per_call_us(call, 500):.1f} us")
             print(f"{'kda' if kda else 'gdn'} B={B} H={H} T={T}: " + " | ".join(line), flush=True)
+    two_phase_breakdown()
     return 0
 
 

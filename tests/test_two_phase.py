@@ -423,3 +423,33 @@ def test_eager_fused_call_builds_the_graph_paths_plans(emulated_state_pass, monk
     assert two_phase._plans == built
     want, _ = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta)
     assert rel_err(o, want) < 1e-2
+
+
+def test_prep_workspace_is_kept_per_stream_and_only_for_the_op(monkeypatch):
+    """The op's small calls reuse one set of phase-1 terms per (plan, stream); `chunk_prep` and large or captured
+    calls get fresh ones; the kept bytes stay under WORKSPACE_TOTAL_BYTES."""
+    stream = [7]
+    monkeypatch.setattr(two_phase, "_workspace_stream", lambda device: stream[0])
+    monkeypatch.setattr(two_phase, "_workspaces", {})
+    monkeypatch.setattr(two_phase, "_workspace_bytes", 0)
+    plan = two_phase.PrepPlan.__new__(two_phase.PrepPlan)
+    plan.shape, plan.kda, plan.device = (1, 128, 2), False, torch.device("cpu")
+    plan.term_bytes = 1 << 20
+    a, b = plan.terms(torch.bfloat16), plan.terms(torch.bfloat16)
+    assert a is b and a.w.shape == (1, 128, 2, 128) and a.eg.shape == (1, 128, 2)
+    assert plan.allocate(torch.bfloat16) is not a
+    stream[0] = 8                       # another stream: its own terms
+    c = plan.terms(torch.bfloat16)
+    assert c is not a and c.w.data_ptr() != a.w.data_ptr()
+    stream[0] = None                    # graph capture (or not CUDA): fresh every call
+    assert plan.terms(torch.bfloat16) is not plan.terms(torch.bfloat16)
+    stream[0] = 7
+    plan.term_bytes = two_phase.WORKSPACE_TERM_BYTES + 1   # too large to keep
+    assert plan.terms(torch.bfloat16) is not plan.terms(torch.bfloat16)
+    plan.term_bytes = two_phase.WORKSPACE_TOTAL_BYTES // 2 + 1
+    monkeypatch.setattr(two_phase, "WORKSPACE_TERM_BYTES", two_phase.WORKSPACE_TOTAL_BYTES)
+    stream[0] = 9
+    plan.terms(torch.bfloat16)
+    stream[0] = 10
+    plan.terms(torch.bfloat16)          # would pass the total: the kept ones are dropped first
+    assert two_phase._workspace_bytes <= two_phase.WORKSPACE_TOTAL_BYTES and len(two_phase._workspaces) == 1

@@ -366,7 +366,8 @@ def _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, 
     two_phase = _two_phase_module()
     B, T, H, _ = k.shape
     g32 = g if g.dtype == torch.float32 else g.float()
-    prep = two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device).run(q, k, v, g32, beta, scale)
+    prep = two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device).run(q, k, v, g32, beta, scale,
+                                                                                   reuse=True)
     plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, initial_state is not None, final is not None, n, device)
     plan.run(prep, initial_state, o, final)
 

@@ -147,6 +147,13 @@ def _variants() -> list[Variant]:
             ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor", "setmaxnreg.inc"),
             archs=("sm_90a",),
         ))
+        out.append(Variant(   # rs with o's two products off the serial chain
+            op, f"{tag}_state_pass_sm90_bfloat16_rs2p",
+            lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, True, True, dump_dir=d, rs=True, num_stages=2,
+                                                  pipeline_o=True),
+            ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor", "setmaxnreg.inc"),
+            archs=("sm_90a",),
+        ))
     try:
         from schedulers.probe import probe_variants
     except ImportError:

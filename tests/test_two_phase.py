@@ -53,12 +53,14 @@ def test_state_pass_rejects_bad_terms():
         two_phase.state_pass(prep)
 
 
-# state-pass variants: (rs, ring stages, exp(G_last) one chunk ahead, o's product off the wait)
-STATE_VARIANTS = {"smem": (False, 2, False, False), "rs": (True, 2, False, False), "rs3pfo": (True, 3, True, True)}
+# state-pass variants: (rs, ring stages, exp(G_last) one chunk ahead, o's product off the wait, o off the chain)
+STATE_VARIANTS = {"smem": (False, 2, False, False, False), "rs": (True, 2, False, False, False),
+                  "rs3pfo": (True, 3, True, True, False), "rs2p": (True, 2, False, False, True)}
 
 
 def use_state_variant(monkeypatch, name):
-    rs, stages, prefetch, overlap = STATE_VARIANTS[name]
+    rs, stages, prefetch, overlap, pipelined = STATE_VARIANTS[name]
+    monkeypatch.setattr(two_phase, "STATE_PIPELINE_O", pipelined)
     monkeypatch.setattr(two_phase, "STATE_PASS_RS", rs)
     monkeypatch.setattr(two_phase, "STATE_STAGES", stages)
     monkeypatch.setattr(two_phase, "STATE_PREFETCH_EG", prefetch)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import triton.testing as tt
 
 import cute_kernels as ck
+from time_two_phase import graph_us   # scripts/ is on sys.path when this runs as a script
 from cute_kernels.ops import linear_attention as la
 
 REPS = 2000
@@ -89,31 +90,6 @@ def ffi_args():
           f"{(t10 - t0) / 10:.2f} us per tensor argument", flush=True)
 
 
-def graph_gpu_us(fn, calls: int = 10, reps: int = 5) -> float:
-    """GPU time per call from CUDA-graph replay of `calls` calls (no host gaps; do_bench on an eager call measures
-    the host when the call is host-bound)."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def two_phase_breakdown():
     """Host time of each step of the two-phase path's eager call (launches queued on an idle GPU, 50 calls each)."""
     from cute_kernels.ops import two_phase as tp
@@ -166,7 +142,7 @@ def paths():
                 la.TWO_PHASE = mode
                 call()
                 line.append(f"{'two-phase' if mode == '1' else 'fused'} eager {per_call_us(call, 500):.1f} us, host "
-                            f"{host_issue_us(call, 50):.1f}, gpu (graph) {graph_gpu_us(call):.1f} us")
+                            f"{host_issue_us(call, 50):.1f}, gpu (graph) {graph_us(call):.1f} us")
             la.TWO_PHASE = "auto"
             call()
             _, ran = la._last_choice

@@ -380,11 +380,11 @@ class ChunkStatePassSm90:
                     mSN[seq, head, kk, v0 + vv] = acc_s[i]
 
     @cute.jit
-    def consumer_rs(self, sched, load, wtid, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st):
-        """`rs`: the state chain in registers (see the class docstring). Accumulators are indexed (v, n): v the
-        row of S^T (a V column of the block), n a channel (S^T) or a token (v_new^T, o^T)."""
+    def rs_fragments(self, wtid, st):
+        """The rs consumers' views: KDA's decay buffers (by chunk parity), the (v, n) coordinates of the S^T and
+        of the [64 x 64] accumulators, and the accumulators S^T [64 x 128], v_new^T and o^T [64 x 64] (fp32)."""
         io = self.io_dtype
-        sDecay = st.sDecay.get_tensor(cute.make_layout((K_DIM, 2), stride=(1, K_DIM)))   # KDA: by chunk parity
+        sDecay = st.sDecay.get_tensor(cute.make_layout((K_DIM, 2), stride=(1, K_DIM)))
         thr_s = wt.make_mma_rs(io, True, K_DIM).get_slice(wtid)    # S^T += v_new^T kg   (64 x 128, K = tokens)
         thr_t = wt.make_mma_rs(io, False, C).get_slice(wtid)       # x^T = A y^T          (64 x 64)
         cc_s = thr_s.partition_C(cute.make_identity_tensor((V_BLOCK, K_DIM)))
@@ -392,6 +392,14 @@ class ChunkStatePassSm90:
         acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((V_BLOCK, K_DIM)), Float32)
         acc_v = cute.make_rmem_tensor(thr_t.partition_shape_C((V_BLOCK, C)), Float32)
         acc_o = cute.make_rmem_tensor(thr_t.partition_shape_C((V_BLOCK, C)), Float32)
+        return sDecay, cc_s, cc_t, acc_s, acc_v, acc_o
+
+    @cute.jit
+    def consumer_rs(self, sched, load, wtid, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st):
+        """`rs`: the state chain in registers (see the class docstring). Accumulators are indexed (v, n): v the
+        row of S^T (a V column of the block), n a channel (S^T) or a token (v_new^T, o^T)."""
+        io = self.io_dtype
+        sDecay, cc_s, cc_t, acc_s, acc_v, acc_o = self.rs_fragments(wtid, st)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
 
         n_vb = mO.shape[2] // V_BLOCK
@@ -468,11 +476,7 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.outputs):
                     # o^T is done one group before the state update: store it while the update runs
                     warpgroup.wait_group(1)
-                    gO = cute.domain_offset((t0, v0), mO[None, head, None])
-                    for i in cutlass.range_constexpr(cute.size(acc_o)):
-                        vv, n = cc_t[i]
-                        if n < L:
-                            gO[n, vv] = io(acc_o[i])
+                    self.store_o_t(acc_o, cc_t, mO, head, t0, v0, L)
                 warpgroup.wait_group(0)
                 load.consumer_release(state)
                 state.advance()
@@ -493,14 +497,7 @@ class ChunkStatePassSm90:
         so the chain waits only for its own two products. A ring stage is released one chunk later than in
         `consumer_rs` (its Aqk tile is read by the last product)."""
         io = self.io_dtype
-        sDecay = st.sDecay.get_tensor(cute.make_layout((K_DIM, 2), stride=(1, K_DIM)))   # KDA: by chunk parity
-        thr_s = wt.make_mma_rs(io, True, K_DIM).get_slice(wtid)
-        thr_t = wt.make_mma_rs(io, False, C).get_slice(wtid)
-        cc_s = thr_s.partition_C(cute.make_identity_tensor((V_BLOCK, K_DIM)))
-        cc_t = thr_t.partition_C(cute.make_identity_tensor((V_BLOCK, C)))
-        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((V_BLOCK, K_DIM)), Float32)
-        acc_v = cute.make_rmem_tensor(thr_t.partition_shape_C((V_BLOCK, C)), Float32)
-        acc_o = cute.make_rmem_tensor(thr_t.partition_shape_C((V_BLOCK, C)), Float32)
+        sDecay, cc_s, cc_t, acc_s, acc_v, acc_o = self.rs_fragments(wtid, st)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
 

@@ -59,7 +59,7 @@ for stage in $stages; do
       status=$((status | ${PIPESTATUS[0]}))
       [ "${QUICK_STATE_S:-45}" = 0 ] || timeout -s INT -k 10 ${QUICK_STATE_S:-45} python3 scripts/time_two_phase.py state 2>&1 | tee "$out/state_time.log" | grep -v Warn
       timeout -s INT -k 10 ${QUICK_HOST_S:-150} python3 scripts/host_overhead.py paths 2>&1 | tee "$out/host_paths.log" | grep -v Warn ;;
-    state-time)   # the state pass alone: ring depth and exp(G_last) prefetch (STATE_VARIANTS=rs2,rs3,rs2pf,rs3pf)
+    state-time)   # the state pass alone: smem / rs chain and ring depth (STATE_VARIANTS=smem,rs2,rs3)
       timeout -s INT -k 20 $t python3 scripts/time_two_phase.py state 2>&1 | tee "$out/state_time.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
     prep-time)

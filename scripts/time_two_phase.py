@@ -4,7 +4,7 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
 
     python3 scripts/time_two_phase.py            # on the H200, after the wheelhouse install
     python3 scripts/time_two_phase.py prep       # only GDN's phase 1, slim (two CTAs per SM) against one CTA per SM
-    python3 scripts/time_two_phase.py state      # only phase 2: ring depth, exp(G_last) prefetch (STATE_VARIANTS)
+    python3 scripts/time_two_phase.py state      # only phase 2: smem / rs chain, ring depth (STATE_VARIANTS)
 """
 
 import os
@@ -74,9 +74,8 @@ def time_prep():
 
 def time_state():
     """Phase 2 alone (phase-1 terms from the GPU prep), per chunk on the chain: the register (rs) state chain with
-    a 2- or 3-stage ring ("rs2", "rs3"), exp(G_last) loaded one chunk ahead ("pf"), o's product off the wait
-    ("o"), both of o's products off the chain ("p", last) (`STATE_VARIANTS` picks; the smem-operand chain with "smem"). Outputs of every variant must be bitwise equal to the first."""
-    variants = os.environ.get("STATE_VARIANTS", "rs2,rs2o,rs2p,rs3p").split(",")
+    a 2- or 3-stage ring ("rs2", "rs3"), and the smem-operand chain ("smem") (`STATE_VARIANTS` picks). Outputs of every variant must be bitwise equal to the first."""
+    variants = os.environ.get("STATE_VARIANTS", "smem,rs2,rs3").split(",")
     for op in ("gdn", "kda"):
         kda = op == "kda"
         for B, H, T, n in [(1, 4, 8192, 1), (1, 4, 16384, 9), (2, 16, 8192, 1), (8, 4, 16384, 1)]:
@@ -88,14 +87,10 @@ def time_state():
             for name in variants:
                 two_phase.STATE_PASS_RS = name.startswith("rs")
                 two_phase.STATE_STAGES = int(name[2]) if name.startswith("rs") else 2
-                two_phase.STATE_PREFETCH_EG = "pf" in name
-                two_phase.STATE_OVERLAP_O = name.endswith("o")
-                two_phase.STATE_PIPELINE_O = name.endswith("p")
                 t = graph_us(lambda: two_phase.state_pass(prep, None, True, num_segments=n))
                 outs.append(two_phase.state_pass(prep, None, True, num_segments=n)[0])
                 line.append(f"{name} {t:.1f} us ({t / chunks * n:.2f}/chunk)")
             two_phase.STATE_PASS_RS, two_phase.STATE_STAGES = True, 2
-            two_phase.STATE_PREFETCH_EG = two_phase.STATE_OVERLAP_O = two_phase.STATE_PIPELINE_O = False
             same = all(torch.equal(outs[0], y) for y in outs[1:])
             print(f"{op} state pass B={B} H={H} T={T} N={n}: " + " | ".join(line) + f" | bitwise equal {same}",
                   flush=True)

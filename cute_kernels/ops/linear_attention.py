@@ -282,11 +282,12 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
 # sets the state pass's segment count); "0" never.
 TWO_PHASE = os.environ.get("CUTE_KERNELS_TWO_PHASE", "auto")
 # An eager call (no CUDA-graph capture) takes max(host time, GPU time); "auto" then weighs each path by that.
-# Host time per call on the H200 machine (scripts/host_overhead.py, 2026-12-03): the fused kernel alone 23 us
-# (B=1 H=4 T=64, 12.6 us of GPU time), the two-phase path's two launches 49 us (T=256, 30.6 us of GPU time);
-# each further launch (summary, merge) counted at the 13 us the second launch adds.
-HOST_US = {False: 23.0, True: 49.0}
-HOST_LAUNCH_US = 13.0
+# Host time per call on the H200 machine (scripts/host_overhead.py paths, 2026-12-03): the fused kernel alone
+# 23 us (B=1 H=4 T=64, 9.8 us of GPU time), the two-phase path's two launches 38 us (T=64..256: 33.6-38.9 us
+# eager, once its phase-1 terms stay in a kept workspace; 49 us before); each further launch (summary, merge)
+# counted at the ~7 us the state pass's launch takes.
+HOST_US = {False: 23.0, True: 38.0}
+HOST_LAUNCH_US = 7.0
 
 
 def _capturing(device) -> bool:

@@ -189,8 +189,8 @@ _plans: dict = {}
 
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, STATE_PASS_RS,
-    STATE_STAGES, STATE_PREFETCH_EG, STATE_OVERLAP_O, STATE_PIPELINE_O)."""
-    full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_PREFETCH_EG, STATE_OVERLAP_O, STATE_PIPELINE_O)
+    STATE_STAGES)."""
+    full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES)
     plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:
@@ -281,32 +281,20 @@ def prep_plan(B, T, H, cu, kda, io, beta_dtype, device, chunks_per_tile: int | N
 # there (2026-12-03, scripts/time_two_phase.py state: GDN 1.62 vs 1.81 us per chunk, KDA 1.69 vs 1.71;
 # benchmarks/results/state_pass_rs_time_h200_2026-12-03.txt has the earlier, slower rs: 2.30 / 2.57).
 STATE_PASS_RS = os.environ.get("CUTE_KERNELS_STATE_PASS_RS", "1") == "1"
-# rs only: the depth of the state pass's TMA ring (64 KB per stage; 3 fit once S, v_new and o leave shared memory)
-# and each chunk's exp(G_last) loaded one chunk ahead (off the serial chain).
+# rs only: the depth of the state pass's TMA ring (64 KB per stage; 3 fit once S, v_new and o leave shared memory,
+# but measured no faster: 1.65 us per chunk either way, benchmarks/results/state_pass_variants_h200_2026-12-03.txt).
 STATE_STAGES = int(os.environ.get("CUTE_KERNELS_STATE_STAGES", "2"))
-STATE_PREFETCH_EG = os.environ.get("CUTE_KERNELS_STATE_PREFETCH_EG", "0") == "1"
-# rs only: u read into registers under the chunk's first products, o's product left running under the subtraction
-STATE_OVERLAP_O = os.environ.get("CUTE_KERNELS_STATE_OVERLAP_O", "0") == "1"
-# rs only: both of o's products off the serial chain (`consumer_rs_pipelined`)
-STATE_PIPELINE_O = os.environ.get("CUTE_KERNELS_STATE_PIPELINE_O", "0") == "1"
 
 
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
-                       mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None,
-                       prefetch_eg: bool | None = None, overlap_o: bool | None = None,
-                       pipeline_o: bool | None = None):
+                       mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None):
     """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `rs` defaults to
-    STATE_PASS_RS, and with rs `num_stages` / `prefetch_eg` / `overlap_o` to STATE_STAGES / STATE_PREFETCH_EG /
-    STATE_OVERLAP_O, `pipeline_o` to STATE_PIPELINE_O (2 / off / off / off without rs)."""
+    STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
 
     rs = STATE_PASS_RS if rs is None else rs
     num_stages = (STATE_STAGES if rs else 2) if num_stages is None else num_stages
-    prefetch_eg = (STATE_PREFETCH_EG and rs) if prefetch_eg is None else prefetch_eg
-    overlap_o = (STATE_OVERLAP_O and rs) if overlap_o is None else overlap_o
-    pipeline_o = (STATE_PIPELINE_O and rs) if pipeline_o is None else pipeline_o
-    key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
-           prefetch_eg, overlap_o, pipeline_o)
+    key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -318,8 +306,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
 
         io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
-                                    num_stages=num_stages, prefetch_eg=prefetch_eg, overlap_o=overlap_o,
-                                    pipeline_o=pipeline_o)
+                                    num_stages=num_stages)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg

@@ -42,20 +42,14 @@ class ChunkStatePassSm90:
     - warpgroup 1: consumer (registers raised to 232). Holds S in wgmma accumulator registers for the whole tile,
       a bf16 copy of it in smem as the B operand; issues w S and qg S together, then Aqk v_new and the state
       update together (one commit each).
-    Pipelines: `PipelineTmaAsync` ring of `num_stages` (2; rs: up to 3, its smem holds only the ring) stages
-    (producer = 1 thread, consumer = 4 warps); named barrier 1 for the
+    Pipelines: `PipelineTmaAsync` ring of `num_stages` stages (2; rs: up to 3, its smem holds only the ring, but
+    3 measured no faster on the H200) (producer = 1 thread, consumer = 4 warps); named barrier 1 for the
     consumer warpgroup between its phases.
 
     `rs` (compile time): the consumer holds S^T [64 x 128] instead and feeds it to the tensor cores from registers
     (RS wgmma), so nothing of the state chain goes through shared memory: v_new^T = u^T - S^T w^T and o^T = S^T qg^T
     (A = S^T in 16-bit registers), then o^T += v_new^T Aqk^T and S^T <- S^T diag(exp(G_last)) + v_new^T kg (A =
     v_new^T in registers); two dependent wgmma groups and no named barrier per chunk (KDA: one, for its decays).
-
-    `prefetch_eg` (rs only): each chunk's exp(G_last) is loaded one chunk ahead, so its global-load latency is
-    hidden under the previous chunk's products instead of sitting on the serial chain. `overlap_o` (rs only): u is
-    read into registers before the chunk's first products, and only v_new's product is waited for before the
-    subtraction (o's product, off the chain, runs on under it). `pipeline_o` (rs, modes with outputs): both of o's
-    products leave the chain (`consumer_rs_pipelined`).
 
     Modes (compile time): `forward` (start from initial_state[seq] or 0; final_state[seq] after the last segment
     if `store_final_state`); `segment_outputs` (start from start_states[seg_slot], same outputs); `summary` (the
@@ -66,8 +60,7 @@ class ChunkStatePassSm90:
     """
 
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
-                 mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, prefetch_eg: bool = False,
-                 overlap_o: bool = False, pipeline_o: bool = False):
+                 mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False):
         if mode not in ("forward", "segment_outputs", "summary"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
@@ -79,13 +72,6 @@ class ChunkStatePassSm90:
         self.mode = mode
         self.num_stages = num_stages
         self.rs = rs
-        if prefetch_eg and not rs:
-            raise ValueError("prefetch_eg is a switch of the rs consumer (rs=True)")
-        if (overlap_o or pipeline_o) and not rs:
-            raise ValueError("overlap_o and pipeline_o are switches of the rs consumer (rs=True)")
-        self.pipeline_o = pipeline_o
-        self.prefetch_eg = prefetch_eg
-        self.overlap_o = overlap_o
         if not rs and num_stages > 2:
             raise ValueError(f"the smem-operand consumer fits at most 2 stages, got {num_stages}")
         self.num_threads = 256
@@ -162,7 +148,7 @@ class ChunkStatePassSm90:
             sDecay: cute.struct.MemRange[Float32, 2 * K_DIM]
 
         self.shared_storage = SharedStorageRs if self.rs else SharedStorage
-        self.smem_bytes = SharedStorage.size_in_bytes()
+        self.smem_bytes = self.shared_storage.size_in_bytes()
         assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB of an SM90 CTA"
         self.kernel(tma_qg, tma_qg_t, tma_w, tma_w_t, tma_kg, tma_kg_t, tma_u, tma_u_t, tma_a, tma_a_t,
                     eg, o, initial_state, final_state, tiles, num_tiles).launch(
@@ -216,9 +202,7 @@ class ChunkStatePassSm90:
                 self.producer(sched, load, loads, mU.shape[1] // V_BLOCK)
         else:
             cute.arch.setmaxregister_increase(232)
-            if cutlass.const_expr(self.rs and self.pipeline_o and self.outputs):
-                self.consumer_rs_pipelined(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
-            elif cutlass.const_expr(self.rs):
+            if cutlass.const_expr(self.rs):
                 self.consumer_rs(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
             else:
                 self.consumer(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
@@ -411,54 +395,29 @@ class ChunkStatePassSm90:
             tok0 = work.tok_start
             tok_end = work.tok_end
             self.load_start_state(work, head, v0, is_m, acc_s, cc_s, mS0, True)
-            n_chunks = work.chunk_end - work.chunk_start
-            eg_next = Float32(1.0)
-            if cutlass.const_expr(self.prefetch_eg):
-                eg_next = self.load_eg(mEg, tok0, tok_end, 0, head, wtid)
 
-            for c in cutlass.range(n_chunks, unroll=1):
+            for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
                 t0, L = chunk_rows(tok0, tok_end, c)
                 buf = chunks_done % 2
                 chunks_done = chunks_done + 1
-                # exp(G_last) of this chunk (GDN: per head; KDA: channel wtid). prefetch_eg: loaded one chunk ahead,
-                # so its latency hides under the previous chunk's products instead of sitting on the chain.
-                eg_c = eg_next
-                if cutlass.const_expr(self.prefetch_eg):
-                    if c + 1 < n_chunks:
-                        eg_next = self.load_eg(mEg, tok0, tok_end, c + 1, head, wtid)
-                else:
-                    eg_c = self.load_eg(mEg, tok0, tok_end, c, head, wtid)
                 dg = Float32(1.0)
                 if cutlass.const_expr(self.kda):
                     # this buffer was last read two chunks ago, before the previous chunk's barrier
-                    sDecay[wtid, buf] = eg_c
+                    sDecay[wtid, buf] = mEg[t0 + L - 1, head, wtid]
                     cute.arch.barrier(barrier_id=1, number_of_threads=128)
                 else:
-                    dg = eg_c
+                    dg = Float32(mEg[t0 + L - 1, head])
                 load.consumer_wait(state)
                 stage = state.index
                 # v_new^T = u^T - S^T w^T and o^T = S^T qg^T, one commit (A = S^T from registers)
                 rS = wt.acc_to_a(io, acc_s)
-                u_reg = cute.make_rmem_tensor(acc_v.layout, Float32)
-                if cutlass.const_expr(self.overlap_o):
-                    # u^T into registers now: the smem reads overlap the products below
-                    for i in cutlass.range_constexpr(cute.size(acc_v)):
-                        vv, n = cc_t[i]
-                        u_reg[i] = Float32(sU[n, vv, stage])
                 wt.gemm_rs(io, wtid, acc_v, rS, sW[None, None, stage], False, False, C, wait=False)
                 if cutlass.const_expr(self.outputs):
                     wt.gemm_rs(io, wtid, acc_o, rS, sQg[None, None, stage], False, False, C, wait=False)
-                if cutlass.const_expr(self.overlap_o and self.outputs):
-                    warpgroup.wait_group(1)   # v_new's product only: o's runs on under the subtraction
-                else:
-                    warpgroup.wait_group(0)
+                warpgroup.wait_group(0)
                 for i in cutlass.range_constexpr(cute.size(acc_v)):
                     vv, n = cc_t[i]
-                    uval = Float32(0.0)
-                    if cutlass.const_expr(self.overlap_o):
-                        uval = u_reg[i]
-                    else:
-                        uval = Float32(sU[n, vv, stage])
+                    uval = Float32(sU[n, vv, stage])
                     if cutlass.const_expr(self.mode == "summary"):
                         uval = cutlass.select_(is_m, Float32(0.0), uval)
                     acc_v[i] = cutlass.select_(n < L, uval - acc_v[i], Float32(0.0))
@@ -484,83 +443,6 @@ class ChunkStatePassSm90:
             self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, True)
             work = sched.advance(work)
 
-
-    @cute.jit
-    def consumer_rs_pipelined(self, sched, load, wtid, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st):
-        """`pipeline_o`: `consumer_rs` with o's two products off the serial chain. Per chunk c, in issue order:
-
-            v_new^T = S^T w^T              (chain)   | chunk c - 1's o^T done -> stored, its ring stage released
-            o^T     = S^T qg^T             (runs under the subtraction of u)
-            S^T     <- S^T D + v_new^T kg  (chain)
-            o^T    += v_new^T Aqk^T        (runs under chunk c + 1's first product)
-
-        so the chain waits only for its own two products. A ring stage is released one chunk later than in
-        `consumer_rs` (its Aqk tile is read by the last product)."""
-        io = self.io_dtype
-        sDecay, cc_s, cc_t, acc_s, acc_v, acc_o = self.rs_fragments(wtid, st)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-
-        n_vb = mO.shape[2] // V_BLOCK
-        chunks_done = Int32(0)
-        work = sched.initial_work()
-        while work.is_valid:
-            head = work.head
-            v0, is_m = self.tile_columns(work, n_vb)
-            tok0 = work.tok_start
-            tok_end = work.tok_end
-            self.load_start_state(work, head, v0, is_m, acc_s, cc_s, mS0, True)
-            n_chunks = work.chunk_end - work.chunk_start
-            t_prev = Int32(0)
-            L_prev = Int32(0)
-
-            for c in cutlass.range(n_chunks, unroll=1):
-                t0, L = chunk_rows(tok0, tok_end, c)
-                buf = chunks_done % 2
-                chunks_done = chunks_done + 1
-                dg = Float32(1.0)
-                if cutlass.const_expr(self.kda):
-                    sDecay[wtid, buf] = mEg[t0 + L - 1, head, wtid]
-                    cute.arch.barrier(barrier_id=1, number_of_threads=128)
-                else:
-                    dg = Float32(mEg[t0 + L - 1, head])
-                load.consumer_wait(state)
-                stage = state.index
-                rS = wt.acc_to_a(io, acc_s)
-                wt.gemm_rs(io, wtid, acc_v, rS, sW[None, None, stage], False, False, C, wait=False)
-                # the previous chunk's last product (committed before this one) is done: store its o^T
-                warpgroup.wait_group(1)
-                if c > 0:
-                    self.store_o_t(acc_o, cc_t, mO, head, t_prev, v0, L_prev)
-                    load.consumer_release(release)
-                    release.advance()
-                wt.gemm_rs(io, wtid, acc_o, rS, sQg[None, None, stage], False, False, C, wait=False)
-                warpgroup.wait_group(1)   # v_new's product
-                for i in cutlass.range_constexpr(cute.size(acc_v)):
-                    vv, n = cc_t[i]
-                    acc_v[i] = cutlass.select_(n < L, Float32(sU[n, vv, stage]) - acc_v[i], Float32(0.0))
-                rV = wt.acc_to_a(io, acc_v)
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    if cutlass.const_expr(self.kda):
-                        _, kk = cc_s[i]
-                        acc_s[i] = acc_s[i] * sDecay[kk, buf]
-                    else:
-                        acc_s[i] = acc_s[i] * dg
-                wt.gemm_rs(io, wtid, acc_s, rV, sKg_mn[None, None, stage], True, True, K_DIM, wait=False)
-                wt.gemm_rs(io, wtid, acc_o, rV, sA[None, None, stage], False, True, C, wait=False)
-                warpgroup.wait_group(1)   # the state update (and o's first product); o's second runs on
-                state.advance()
-                t_prev = t0
-                L_prev = L
-
-            warpgroup.wait_group(0)
-            if n_chunks > 0:
-                self.store_o_t(acc_o, cc_t, mO, head, t_prev, v0, L_prev)
-                load.consumer_release(release)
-                release.advance()
-            self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, True)
-            work = sched.advance(work)
-
     @cute.jit
     def store_o_t(self, acc_o, cc_t, mO, head, t0, v0, L):
         """o^T (accumulator indexed (v, token)) of the chunk at t0 -> o[t0 + n, head, v0 + v] for rows n < L."""
@@ -569,17 +451,6 @@ class ChunkStatePassSm90:
             vv, n = cc_t[i]
             if n < L:
                 gO[n, vv] = self.io_dtype(acc_o[i])
-
-    @cute.jit
-    def load_eg(self, mEg, tok0, tok_end, c, head, wtid):
-        """exp(G_last) of chunk c of a tile: GDN's per head, KDA's of channel `wtid`."""
-        t0, L = chunk_rows(tok0, tok_end, c)
-        val = Float32(0.0)
-        if cutlass.const_expr(self.kda):
-            val = Float32(mEg[t0 + L - 1, head, wtid])
-        else:
-            val = Float32(mEg[t0 + L - 1, head])
-        return val
 
 
 @cute.jit

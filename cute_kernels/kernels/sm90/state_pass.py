@@ -124,6 +124,11 @@ class ChunkStatePassSm90:
 
         stages = self.num_stages
 
+        # rs: S, v_new and o never pass through shared memory (their fields shrink to a placeholder; room for a
+        # third ring stage)
+        s_elems = 8 if self.rs else K_DIM * V_BLOCK
+        t_elems = 8 if self.rs else C * V_BLOCK
+
         @cute.struct
         class SharedStorage:
             load_mbar: cute.struct.MemRange[cutlass.Int64, stages * 2]
@@ -132,22 +137,12 @@ class ChunkStatePassSm90:
             sKg: cute.struct.Align[cute.struct.MemRange[io, C * K_DIM * stages], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[io, C * V_BLOCK * stages], 1024]
             sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C * stages], 1024]
-            sS: cute.struct.Align[cute.struct.MemRange[io, K_DIM * V_BLOCK], 1024]      # bf16 copy of S (k, v)
-            sVnew: cute.struct.Align[cute.struct.MemRange[io, C * V_BLOCK], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[io, C * V_BLOCK], 1024]
+            sS: cute.struct.Align[cute.struct.MemRange[io, s_elems], 1024]      # bf16 copy of S (k, v)
+            sVnew: cute.struct.Align[cute.struct.MemRange[io, t_elems], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[io, t_elems], 1024]
             sDecay: cute.struct.MemRange[Float32, 2 * K_DIM]   # exp(G_last) per row of S (rs, KDA: 2 buffers)
 
-        @cute.struct
-        class SharedStorageRs:   # rs: S, v_new and o never pass through shared memory (room for a third stage)
-            load_mbar: cute.struct.MemRange[cutlass.Int64, stages * 2]
-            sQg: cute.struct.Align[cute.struct.MemRange[io, C * K_DIM * stages], 1024]
-            sW: cute.struct.Align[cute.struct.MemRange[io, C * K_DIM * stages], 1024]
-            sKg: cute.struct.Align[cute.struct.MemRange[io, C * K_DIM * stages], 1024]
-            sU: cute.struct.Align[cute.struct.MemRange[io, C * V_BLOCK * stages], 1024]
-            sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C * stages], 1024]
-            sDecay: cute.struct.MemRange[Float32, 2 * K_DIM]
-
-        self.shared_storage = SharedStorageRs if self.rs else SharedStorage
+        self.shared_storage = SharedStorage
         self.smem_bytes = self.shared_storage.size_in_bytes()
         assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB of an SM90 CTA"
         self.kernel(tma_qg, tma_qg_t, tma_w, tma_w_t, tma_kg, tma_kg_t, tma_u, tma_u_t, tma_a, tma_a_t,

@@ -139,6 +139,13 @@ def _variants() -> list[Variant]:
                     + (("wgmma.mma_async.sync.aligned.m64n128k16",) if rs else ()),
                     archs=("sm_90a",),
                 ))
+        out.append(Variant(   # rs, diagnostics: clock64 stamps per phase of every chunk
+            op, f"{tag}_state_pass_sm90_bfloat16_rs_profile",
+            lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, False, False, dump_dir=d, rs=True,
+                                                  profile=True),
+            ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "clock64"),
+            archs=("sm_90a",),
+        ))
         out.append(Variant(   # rs with a 3-stage ring (fits once S, v_new and o leave shared memory)
             op, f"{tag}_state_pass_sm90_bfloat16_rs3",
             lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, True, True, dump_dir=d, rs=True, num_stages=3),

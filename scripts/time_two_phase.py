@@ -5,6 +5,7 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py            # on the H200, after the wheelhouse install
     python3 scripts/time_two_phase.py prep       # only GDN's phase 1, slim (two CTAs per SM) against one CTA per SM
     python3 scripts/time_two_phase.py state      # only phase 2: smem / rs chain, ring depth (STATE_VARIANTS)
+    python3 scripts/time_two_phase.py chain      # phase 2's cycles per chunk by phase (the profile build)
 """
 
 import os
@@ -96,11 +97,46 @@ def time_state():
                   flush=True)
 
 
+def time_chain():
+    """Where the state pass's time per chunk goes (the rs consumer's `profile` build): clock64 cycles per phase,
+    summed over every CTA's chunks (unsplit forward, 2 CTAs per (sequence, head)), next to the plain build's time."""
+    for op in ("gdn", "kda"):
+        kda = op == "kda"
+        for B, H, T in [(1, 4, 8192), (2, 16, 8192)]:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda)
+            schedule, _ = two_phase._state_pass_schedules(B, T, H, 128, 1, False, None, prep.u.device)
+            launch = (schedule.table_on(prep.u.device), schedule.num_tiles, schedule.grid[0])
+            o = torch.empty_like(prep.u)
+            dummy = torch.empty((1, 1, 128, 128), dtype=torch.float32, device="cuda")
+            stamps = torch.zeros((1, 1, 128, 128), dtype=torch.float32, device="cuda")
+            terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
+            fn = two_phase.compile_state_pass(torch.bfloat16, kda, False, False, rs=True, profile=True).fn
+            plain = two_phase.compile_state_pass(torch.bfloat16, kda, False, False, rs=True).fn
+            t_prof = graph_us(lambda: fn(*terms, o, dummy, stamps, *launch))
+            t_plain = graph_us(lambda: plain(*terms, o, dummy, dummy, *launch))
+            stamps.zero_()
+            fn(*terms, o, dummy, stamps, *launch)
+            torch.cuda.synchronize()
+            grid = schedule.grid[0]
+            p = stamps.flatten()[: 8 * grid].view(grid, 8).double()
+            chunks = p[:, 4].sum().item()
+            cyc = (p[:, :4].sum(0) / chunks).tolist()
+            total = sum(cyc)
+            per_chunk_us = t_prof / (chunks / grid)
+            print(f"{op} state pass B={B} H={H} T={T}: plain {t_plain:.1f} us, profiled {t_prof:.1f} us "
+                  f"({per_chunk_us:.2f} us/chunk, {total:.0f} cycles/chunk -> {total / per_chunk_us / 1e3:.2f} GHz) | "
+                  "cycles per chunk: wait+eg {:.0f}, products 1 {:.0f}, sub+issue 2+o stores {:.0f}, "
+                  "update wait+release {:.0f}".format(*cyc), flush=True)
+
+
 def main():
     if sys.argv[1:] == ["prep"]:
         return time_prep()
     if sys.argv[1:] == ["state"]:
         return time_state()
+    if sys.argv[1:] == ["chain"]:
+        return time_chain()
     for op in ("gdn", "kda"):
         kda = op == "kda"
         _, peer = ops.load_peer(op)

@@ -1,6 +1,8 @@
 """Two-phase chunked forward (issue 5, experimental): phase 1's terms (torch) and phase 2's contract on the CPU
 against the float64 reference; the SM90 state pass on the GPU."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -451,3 +453,21 @@ def test_prep_workspace_is_kept_per_stream_and_only_for_the_op(monkeypatch):
     stream[0] = 10
     plan.terms(torch.bfloat16)          # would pass the total: the kept ones are dropped first
     assert two_phase._workspace_bytes <= two_phase.WORKSPACE_TOTAL_BYTES and len(two_phase._workspaces) == 1
+
+
+def test_state_pass_profile_mode_is_rs_only_and_owns_final_state(monkeypatch):
+    """The profile build writes its cycle stamps into final_state, so it cannot also store a final state, and
+    only the rs consumer has the stamps."""
+    from cute_kernels.runtime.arch import import_cutlass
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
+
+    cutlass = import_cutlass()
+    from cute_kernels.kernels.sm90.state_pass import ChunkStatePassSm90
+
+    assert ChunkStatePassSm90(cutlass.BFloat16, False, False, False, rs=True, profile=True).profile
+    with pytest.raises(ValueError, match="profile mode needs rs=True"):
+        ChunkStatePassSm90(cutlass.BFloat16, False, False, False, rs=False, profile=True)
+    with pytest.raises(ValueError, match="store_final_state=False"):
+        ChunkStatePassSm90(cutlass.BFloat16, False, False, True, rs=True, profile=True)

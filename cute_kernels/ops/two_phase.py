@@ -287,14 +287,17 @@ STATE_STAGES = int(os.environ.get("CUTE_KERNELS_STATE_STAGES", "2"))
 
 
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
-                       mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None):
+                       mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None,
+                       profile: bool = False):
     """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `rs` defaults to
-    STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs)."""
+    STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs). `profile`: the diagnostic build whose
+    final_state argument receives per-CTA phase cycles (`ChunkStatePassSm90` docstring)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
 
     rs = STATE_PASS_RS if rs is None else rs
     num_stages = (STATE_STAGES if rs else 2) if num_stages is None else num_stages
-    key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages)
+    key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
+           profile)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -306,7 +309,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
 
         io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
-                                    num_stages=num_stages)
+                                    num_stages=num_stages, profile=profile)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg

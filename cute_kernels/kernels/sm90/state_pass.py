@@ -51,6 +51,12 @@ class ChunkStatePassSm90:
     (A = S^T in 16-bit registers), then o^T += v_new^T Aqk^T and S^T <- S^T diag(exp(G_last)) + v_new^T kg (A =
     v_new^T in registers); two dependent wgmma groups and no named barrier per chunk (KDA: one, for its decays).
 
+    `profile` (rs, diagnostics only): the consumer sums clock64 cycles per phase of every chunk -- (0) exp(G_last)
+    load and ring wait, (1) first products and their wait, (2) subtraction, second products issued, o^T stored,
+    (3) the state update's wait and the release -- and thread 0 of the consumer writes [p0, p1, p2, p3, chunks]
+    (fp32) of CTA b to final_state's flat elements [8 b, 8 b + 5) (final_state is then a scratch buffer of at
+    least 8 x grid floats, not a state).
+
     Modes (compile time): `forward` (start from initial_state[seq] or 0; final_state[seq] after the last segment
     if `store_final_state`); `segment_outputs` (start from start_states[seg_slot], same outputs); `summary` (the
     segment's affine map S_end = M S_start + h_ext, no o: tile block b < V / 64 runs h_ext's columns [64 b, 64 b +
@@ -60,7 +66,7 @@ class ChunkStatePassSm90:
     """
 
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
-                 mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False):
+                 mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False):
         if mode not in ("forward", "segment_outputs", "summary"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
@@ -74,6 +80,9 @@ class ChunkStatePassSm90:
         self.rs = rs
         if not rs and num_stages > 2:
             raise ValueError(f"the smem-operand consumer fits at most 2 stages, got {num_stages}")
+        if profile and (not rs or store_final_state):
+            raise ValueError("profile mode needs rs=True and store_final_state=False (final_state holds the stamps)")
+        self.profile = profile
         self.num_threads = 256
         self.outputs = mode != "summary"
         wide_tiles = 3 if self.outputs else 2   # qg, w, kg (summary: w, kg)
@@ -383,6 +392,10 @@ class ChunkStatePassSm90:
 
         n_vb = mO.shape[2] // V_BLOCK
         chunks_done = Int32(0)   # KDA's decay buffer alternates with every chunk, across tiles too
+        p0 = cutlass.Int64(0)    # profile: cycles per phase, summed over chunks
+        p1 = cutlass.Int64(0)
+        p2 = cutlass.Int64(0)
+        p3 = cutlass.Int64(0)
         work = sched.initial_work()
         while work.is_valid:
             head = work.head
@@ -392,6 +405,9 @@ class ChunkStatePassSm90:
             self.load_start_state(work, head, v0, is_m, acc_s, cc_s, mS0, True)
 
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
+                ta = cutlass.Int64(0)
+                if cutlass.const_expr(self.profile):
+                    ta = cute.arch.clock64()
                 t0, L = chunk_rows(tok0, tok_end, c)
                 buf = chunks_done % 2
                 chunks_done = chunks_done + 1
@@ -404,12 +420,18 @@ class ChunkStatePassSm90:
                     dg = Float32(mEg[t0 + L - 1, head])
                 load.consumer_wait(state)
                 stage = state.index
+                tb = cutlass.Int64(0)
+                if cutlass.const_expr(self.profile):
+                    tb = cute.arch.clock64()
                 # v_new^T = u^T - S^T w^T and o^T = S^T qg^T, one commit (A = S^T from registers)
                 rS = wt.acc_to_a(io, acc_s)
                 wt.gemm_rs(io, wtid, acc_v, rS, sW[None, None, stage], False, False, C, wait=False)
                 if cutlass.const_expr(self.outputs):
                     wt.gemm_rs(io, wtid, acc_o, rS, sQg[None, None, stage], False, False, C, wait=False)
                 warpgroup.wait_group(0)
+                tc = cutlass.Int64(0)
+                if cutlass.const_expr(self.profile):
+                    tc = cute.arch.clock64()
                 for i in cutlass.range_constexpr(cute.size(acc_v)):
                     vv, n = cc_t[i]
                     uval = Float32(sU[n, vv, stage])
@@ -431,12 +453,30 @@ class ChunkStatePassSm90:
                     # o^T is done one group before the state update: store it while the update runs
                     warpgroup.wait_group(1)
                     self.store_o_t(acc_o, cc_t, mO, head, t0, v0, L)
+                td = cutlass.Int64(0)
+                if cutlass.const_expr(self.profile):
+                    td = cute.arch.clock64()
                 warpgroup.wait_group(0)
                 load.consumer_release(state)
                 state.advance()
+                if cutlass.const_expr(self.profile):
+                    te = cute.arch.clock64()
+                    p0 = p0 + (tb - ta)
+                    p1 = p1 + (tc - tb)
+                    p2 = p2 + (td - tc)
+                    p3 = p3 + (te - td)
 
-            self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, True)
+            if cutlass.const_expr(not self.profile):
+                self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, True)
             work = sched.advance(work)
+
+        if cutlass.const_expr(self.profile):
+            if wtid == 0:
+                bid, _, _ = cute.arch.block_idx()
+                flat = cute.make_tensor(mSN.iterator, cute.make_layout(cute.size(mSN)))
+                for k, val in enumerate((p0, p1, p2, p3)):
+                    flat[8 * bid + k] = Float32(val)
+                flat[8 * bid + 4] = Float32(chunks_done)
 
     @cute.jit
     def store_o_t(self, acc_o, cc_t, mO, head, t0, v0, L):

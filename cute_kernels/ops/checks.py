@@ -25,7 +25,7 @@ def check_tensor(name: str, t, *, dtypes=None, ndim=None, min_ndim=None, contigu
 
 
 def check_shape(name: str, t: torch.Tensor, shape: tuple):
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != (shape if isinstance(shape, tuple) else tuple(shape)):   # torch.Size == a tuple of ints
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 

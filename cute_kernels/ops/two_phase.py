@@ -234,16 +234,16 @@ class PrepPlan:
         stream = _workspace_stream(self.device) if self.term_bytes <= WORKSPACE_TERM_BYTES else None
         if stream is None:
             return self.allocate(dtype)
-        key = (id(self), dtype, stream)
+        key = (self, dtype, stream)   # the plan object itself: a kept entry keeps its plan alive
         hit = _workspaces.get(key)
-        if hit is None or hit[0] is not self:
+        if hit is None:
             global _workspace_bytes
             if _workspace_bytes + self.term_bytes > WORKSPACE_TOTAL_BYTES:
                 _workspaces.clear()
                 _workspace_bytes = 0
-            hit = _workspaces[key] = (self, self.allocate(dtype))
+            hit = _workspaces[key] = self.allocate(dtype)
             _workspace_bytes += self.term_bytes
-        return hit[1]
+        return hit
 
     def run(self, q, k, v, g32, beta, scale: float, reuse: bool = False) -> PrepTerms:
         """Phase 1 into fresh terms, or (`reuse`: the op's own calls, whose terms die with the call) into

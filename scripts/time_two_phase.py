@@ -99,35 +99,53 @@ def time_state():
 
 def time_chain():
     """Where the state pass's time per chunk goes (the rs consumer's `profile` build): clock64 cycles per phase,
-    summed over every CTA's chunks (unsplit forward, 2 CTAs per (sequence, head)), next to the plain build's time."""
+    summed over every CTA's chunks (unsplit forward, 2 CTAs per (sequence, head)), next to the plain builds' times:
+    "direct" (exp(G_last) read by the consumer, o stored from registers), "decay" (exp(G_last) by TMA), "decay+o"
+    (and o tiles by TMA store). The plain builds' o must be bitwise equal."""
+    variants = {"direct": (False, False), "decay": (True, False), "decay+o": (True, True)}
     for op in ("gdn", "kda"):
         kda = op == "kda"
-        for B, H, T in [(1, 4, 8192), (2, 16, 8192)]:
+        for B, H, T in [(1, 4, 8192), (2, 16, 8192), (1, 3, 1000)]:
             x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
             prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda)
             schedule, _ = two_phase._state_pass_schedules(B, T, H, 128, 1, False, None, prep.u.device)
             launch = (schedule.table_on(prep.u.device), schedule.num_tiles, schedule.grid[0])
-            o = torch.empty_like(prep.u)
             dummy = torch.empty((1, 1, 128, 128), dtype=torch.float32, device="cuda")
-            stamps = torch.zeros((1, 1, 128, 128), dtype=torch.float32, device="cuda")
             terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
-            fn = two_phase.compile_state_pass(torch.bfloat16, kda, False, False, rs=True, profile=True).fn
-            plain = two_phase.compile_state_pass(torch.bfloat16, kda, False, False, rs=True).fn
-            t_prof = graph_us(lambda: fn(*terms, o, dummy, stamps, *launch))
-            t_plain = graph_us(lambda: plain(*terms, o, dummy, dummy, *launch))
-            stamps.zero_()
-            fn(*terms, o, dummy, stamps, *launch)
-            torch.cuda.synchronize()
             grid = schedule.grid[0]
-            p = stamps.flatten()[: 8 * grid].view(grid, 8).double()
-            chunks = p[:, 4].sum().item()
-            cyc = (p[:, :4].sum(0) / chunks).tolist()
-            total = sum(cyc)
-            per_chunk_us = t_prof / (chunks / grid)
-            print(f"{op} state pass B={B} H={H} T={T}: plain {t_plain:.1f} us, profiled {t_prof:.1f} us "
-                  f"({per_chunk_us:.2f} us/chunk, {total:.0f} cycles/chunk -> {total / per_chunk_us / 1e3:.2f} GHz) | "
-                  "cycles per chunk: wait+eg {:.0f}, products 1 {:.0f}, sub+issue 2+o stores {:.0f}, "
-                  "update wait+release {:.0f}".format(*cyc), flush=True)
+            line, outs = [], []
+            for name, (td, to) in variants.items():
+                plain = two_phase.compile_state_pass(torch.bfloat16, kda, False, False, rs=True,
+                                                     ring_decay=td, tma_o=to).fn
+                o = torch.full_like(prep.u, float("nan"))
+                t_plain = graph_us(lambda: plain(*terms, o, dummy, dummy, *launch))
+                o = torch.full_like(prep.u, float("nan"))
+                plain(*terms, o, dummy, dummy, *launch)
+                outs.append(o)
+                line.append(f"{name} {t_plain:.1f} us ({t_plain / (-(-T // 64)):.2f}/chunk)")
+            same = all(torch.equal(outs[0], y) for y in outs[1:]) and not outs[0].isnan().any()
+            print(f"{op} state pass B={B} H={H} T={T}: " + " | ".join(line) + f" | bitwise equal, no NaN: {same}",
+                  flush=True)
+            if T < 4096:
+                continue
+            for name in ("direct", "decay+o"):
+                td, to = variants[name]
+                fn = two_phase.compile_state_pass(torch.bfloat16, kda, False, False, rs=True, profile=True,
+                                                  ring_decay=td, tma_o=to).fn
+                stamps = torch.zeros((1, 1, 128, 128), dtype=torch.float32, device="cuda")
+                o = torch.empty_like(prep.u)
+                t_prof = graph_us(lambda: fn(*terms, o, dummy, stamps, *launch))
+                stamps.zero_()
+                fn(*terms, o, dummy, stamps, *launch)
+                torch.cuda.synchronize()
+                p = stamps.flatten()[: 8 * grid].view(grid, 8).double()
+                chunks = p[:, 4].sum().item()
+                cyc = (p[:, :4].sum(0) / chunks).tolist()
+                total = sum(cyc)
+                per_chunk_us = t_prof / (chunks / grid)
+                print(f"  profile {name}: {t_prof:.1f} us ({per_chunk_us:.2f} us/chunk, {total:.0f} cycles/chunk -> "
+                      f"{total / per_chunk_us / 1e3:.2f} GHz) | cycles per chunk: wait+eg {cyc[0]:.0f}, products 1 "
+                      f"{cyc[1]:.0f}, sub+issue 2+o stores {cyc[2]:.0f}, update wait+release {cyc[3]:.0f}", flush=True)
 
 
 def main():

@@ -190,7 +190,7 @@ _plans: dict = {}
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, STATE_PASS_RS,
     STATE_STAGES)."""
-    full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES)
+    full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA)
     plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:
@@ -284,11 +284,17 @@ STATE_PASS_RS = os.environ.get("CUTE_KERNELS_STATE_PASS_RS", "1") == "1"
 # rs only: the depth of the state pass's TMA ring (64 KB per stage; 3 fit once S, v_new and o leave shared memory,
 # but measured no faster: 1.65 us per chunk either way, benchmarks/results/state_pass_variants_h200_2026-12-03.txt).
 STATE_STAGES = int(os.environ.get("CUTE_KERNELS_STATE_STAGES", "2"))
+# rs only: each chunk's exp(G_last) rides the ring (loaded by the producer warp; no global-load latency on the
+# chain: the profile build showed KDA waiting ~750-1030 cycles per chunk on it) and full o tiles leave by TMA store
+# from smem instead of 32 scattered 2-byte stores per thread (`ChunkStatePassSm90(ring_decay=, tma_o=)`).
+STATE_RING_DECAY = os.environ.get("CUTE_KERNELS_STATE_RING_DECAY", "1") == "1"
+# o by TMA store: measured 3-5% slower at T=8192 (GDN 1.09 vs 1.06 us per chunk), 5% faster at T=1000; off.
+STATE_O_TMA = os.environ.get("CUTE_KERNELS_STATE_O_TMA", "0") == "1"
 
 
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                        mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None,
-                       profile: bool = False):
+                       profile: bool = False, ring_decay: bool | None = None, tma_o: bool | None = None):
     """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `rs` defaults to
     STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs). `profile`: the diagnostic build whose
     final_state argument receives per-CTA phase cycles (`ChunkStatePassSm90` docstring)."""
@@ -296,8 +302,10 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
 
     rs = STATE_PASS_RS if rs is None else rs
     num_stages = (STATE_STAGES if rs else 2) if num_stages is None else num_stages
+    ring_decay = (STATE_RING_DECAY and rs) if ring_decay is None else ring_decay
+    tma_o = (STATE_O_TMA and rs) if tma_o is None else tma_o
     key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
-           profile)
+           profile, ring_decay, tma_o)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -309,12 +317,12 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
 
         io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
-                                    num_stages=num_stages, profile=profile)
+                                    num_stages=num_stages, profile=profile, ring_decay=ring_decay, tma_o=tma_o)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg
             fake_tensor(io, (DYN, DYN, DYN, 64)),                # aqk
-            fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN), align=4),   # eg
+            fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN)),   # eg (16-byte aligned: TMA)
             wide(),                                              # o
             fake_tensor(f32, (DYN, DYN, 128, 128)),
             fake_tensor(f32, (DYN, DYN, 128, 128)),
@@ -486,9 +494,10 @@ PREP_CHUNK_US = {False: 9.4, True: 16.8}
 # against 299 us with one CTA per SM, 2026-12-03; 1.33x per SM; the predicted 12.5 / 1.5x was optimistic).
 # CUTE_KERNELS_PREP_SLIM_CHUNK_US overrides it, e.g. with the fit `scripts/time_two_phase.py prep` writes.
 PREP_SLIM_CHUNK_US = float(os.environ.get("CUTE_KERNELS_PREP_SLIM_CHUNK_US", "14.0"))
-# The rs state pass per chunk per CTA (2026-12-03, unsplit B=1 H=4 and B=2 H=16 T=8192: GDN 1.61-1.69, KDA
-# 1.69-1.87); the smem variant's were 1.8 for both.
-STATE_CHUNK_US = {False: 1.65, True: 1.75} if STATE_PASS_RS else {False: 1.8, True: 1.8}
+# The rs state pass per chunk per CTA with exp(G_last) in the ring (session 9, unsplit B=1 H=4 and B=2 H=16
+# T=8192: GDN 1.06-1.19, KDA 1.13-1.22; before it GDN 1.36-1.47, KDA 1.68-1.74); the smem variant's were 1.8.
+STATE_CHUNK_US = ({False: 1.15, True: 1.2} if STATE_RING_DECAY else {False: 1.45, True: 1.72}) if STATE_PASS_RS \
+    else {False: 1.8, True: 1.8}
 LAUNCH_US = 2.0
 
 

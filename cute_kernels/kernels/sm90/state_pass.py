@@ -51,6 +51,14 @@ class ChunkStatePassSm90:
     (A = S^T in 16-bit registers), then o^T += v_new^T Aqk^T and S^T <- S^T diag(exp(G_last)) + v_new^T kg (A =
     v_new^T in registers); two dependent wgmma groups and no named barrier per chunk (KDA: one, for its decays).
 
+    `ring_decay` (rs): each chunk's exp(G_last) rides the ring: the producer warp loads it (KDA: eg's row of 128
+    floats, 4 per lane; GDN: one float) before it waits for the stage to be free, stores it into the stage's slot
+    and only then arrives (arrive + expect_tx, a release) -- so the consumer, whose wait on the stage acquires,
+    never waits on a global load for it (and KDA needs no named barrier per chunk). `tma_o` (rs, outputs): o^T of a full chunk goes through a
+    double-buffered smem tile [64 x 64] and leaves by one TMA store (`cp.async.bulk.tensor` shared -> global)
+    issued by consumer thread 0 after a named barrier, instead of 32 scattered 2-byte global stores per thread;
+    a tile's partial last chunk keeps the direct stores (a TMA box would write the next sequence's rows).
+
     `profile` (rs, diagnostics only): the consumer sums clock64 cycles per phase of every chunk -- (0) exp(G_last)
     load and ring wait, (1) first products and their wait, (2) subtraction, second products issued, o^T stored,
     (3) the state update's wait and the release -- and thread 0 of the consumer writes [p0, p1, p2, p3, chunks]
@@ -66,7 +74,8 @@ class ChunkStatePassSm90:
     """
 
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
-                 mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False):
+                 mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False,
+                 ring_decay: bool = False, tma_o: bool = False):
         if mode not in ("forward", "segment_outputs", "summary"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
@@ -83,6 +92,10 @@ class ChunkStatePassSm90:
         if profile and (not rs or store_final_state):
             raise ValueError("profile mode needs rs=True and store_final_state=False (final_state holds the stamps)")
         self.profile = profile
+        if (ring_decay or tma_o) and not rs:
+            raise ValueError("ring_decay / tma_o are rs-consumer options (rs=True)")
+        self.ring_decay = ring_decay
+        self.tma_o = tma_o and mode != "summary"
         self.num_threads = 256
         self.outputs = mode != "summary"
         wide_tiles = 3 if self.outputs else 2   # qg, w, kg (summary: w, kg)
@@ -130,6 +143,9 @@ class ChunkStatePassSm90:
         tma_kg, tma_kg_t = cpasync.make_tiled_tma_atom(op, thd(kg), wide, (C, K_DIM))
         tma_u, tma_u_t = cpasync.make_tiled_tma_atom(op, thd(u), narrow, (C, V_BLOCK))
         tma_a, tma_a_t = cpasync.make_tiled_tma_atom(op, thd(aqk), narrow, (C, V_BLOCK))
+        # tma_o: o tiles [64 tokens x 64 V columns] leave from smem (the same swizzled layout as the u tile)
+        tma_os, tma_os_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), thd(o), narrow,
+                                                       (C, V_BLOCK))
 
         stages = self.num_stages
 
@@ -137,6 +153,8 @@ class ChunkStatePassSm90:
         # third ring stage)
         s_elems = 8 if self.rs else K_DIM * V_BLOCK
         t_elems = 8 if self.rs else C * V_BLOCK
+        o_elems = 2 * C * V_BLOCK if self.tma_o else t_elems   # tma_o: two o tiles (chunk parity)
+        eg_elems = K_DIM * stages if self.ring_decay else 8
 
         @cute.struct
         class SharedStorage:
@@ -148,14 +166,15 @@ class ChunkStatePassSm90:
             sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C * stages], 1024]
             sS: cute.struct.Align[cute.struct.MemRange[io, s_elems], 1024]      # bf16 copy of S (k, v)
             sVnew: cute.struct.Align[cute.struct.MemRange[io, t_elems], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[io, t_elems], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[io, o_elems], 1024]
             sDecay: cute.struct.MemRange[Float32, 2 * K_DIM]   # exp(G_last) per row of S (rs, KDA: 2 buffers)
+            sEg: cute.struct.Align[cute.struct.MemRange[Float32, eg_elems], 128]   # ring_decay: per ring stage
 
         self.shared_storage = SharedStorage
         self.smem_bytes = self.shared_storage.size_in_bytes()
         assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB of an SM90 CTA"
         self.kernel(tma_qg, tma_qg_t, tma_w, tma_w_t, tma_kg, tma_kg_t, tma_u, tma_u_t, tma_a, tma_a_t,
-                    eg, o, initial_state, final_state, tiles, num_tiles).launch(
+                    tma_os, tma_os_t, eg, o, initial_state, final_state, tiles, num_tiles).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
         )
 
@@ -167,6 +186,7 @@ class ChunkStatePassSm90:
         tma_kg: cute.CopyAtom, mKg: cute.Tensor,
         tma_u: cute.CopyAtom, mU: cute.Tensor,
         tma_a: cute.CopyAtom, mA: cute.Tensor,
+        tma_os: cute.CopyAtom, mOT: cute.Tensor,
         mEg: cute.Tensor, mO: cute.Tensor, mS0: cute.Tensor, mSN: cute.Tensor,
         mTiles: cute.Tensor, num_tiles: Int32,
     ):
@@ -194,6 +214,8 @@ class ChunkStatePassSm90:
         if warp_idx == 0:
             for atom in (tma_qg, tma_w, tma_kg, tma_u, tma_a):
                 cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(self.tma_o):
+                cpasync.prefetch_descriptor(tma_os)
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(40)
@@ -203,18 +225,21 @@ class ChunkStatePassSm90:
                          (tma_u, mU, sU, V_BLOCK, True))
                 if cutlass.const_expr(self.outputs):
                     loads = loads + ((tma_qg, mQg, sQg, K_DIM, False), (tma_a, mA, sA, C, False))
-                self.producer(sched, load, loads, mU.shape[1] // V_BLOCK)
+                sEg = st.sEg.get_tensor(cute.make_layout((K_DIM, ns), stride=(1, K_DIM)))
+                self.producer(sched, load, loads, mU.shape[1] // V_BLOCK, mEg, sEg, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(232)
             if cutlass.const_expr(self.rs):
-                self.consumer_rs(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
+                self.consumer_rs(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st,
+                                 tma_os, mOT)
             else:
                 self.consumer(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
 
     @cute.jit
-    def producer(self, sched, load, loads, n_vb):
+    def producer(self, sched, load, loads, n_vb, mEg, sEg, lane):
         """One chunk per ring stage: the five tiles of `loads` ((atom, tensor, smem, columns, by_block): the column
-        tile is the work tile's V block where `by_block` (u), else 0; `n_vb`: the number of V blocks)."""
+        tile is the work tile's V block where `by_block` (u), else 0; `n_vb`: the number of V blocks), and with
+        `ring_decay` the chunk's exp(G_last) (from `mEg` into the stage's column of `sEg`, by the warp's lanes)."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         work = sched.initial_work()
         while work.is_valid:
@@ -225,7 +250,24 @@ class ChunkStatePassSm90:
                 if blk >= n_vb:
                     blk = Int32(0)   # M columns: u is not used (any in-bounds tile keeps the byte count)
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
-                load.producer_acquire(state)
+                if cutlass.const_expr(self.ring_decay):
+                    # exp(G_last) into registers first (its latency under the wait for a free stage), into the
+                    # stage once it is free, then the arrive that publishes it with the TMA bytes
+                    t0, L = chunk_rows(tok0, work.tok_end, c)
+                    per_lane = K_DIM // 32 if self.kda else 1   # GDN: one float, read from slot 0
+                    d = cute.make_rmem_tensor(cute.make_layout(per_lane), Float32)
+                    for j in cutlass.range_constexpr(per_lane):
+                        if cutlass.const_expr(self.kda):
+                            d[j] = mEg[t0 + L - 1, head, lane + 32 * j]
+                        else:
+                            d[j] = mEg[t0 + L - 1, head]
+                    load.sync_object_empty.wait(state.index, state.phase)
+                    for j in cutlass.range_constexpr(per_lane):
+                        sEg[lane + 32 * j, state.index] = d[j]
+                    cute.arch.sync_warp()
+                    load.sync_object_full.arrive(state.index, load.producer_mask)
+                else:
+                    load.producer_acquire(state)
                 bar = load.producer_get_barrier(state)
                 for tma, m, s, cols, by_block in loads:
                     col_tile = blk if by_block else 0
@@ -383,11 +425,14 @@ class ChunkStatePassSm90:
         return sDecay, cc_s, cc_t, acc_s, acc_v, acc_o
 
     @cute.jit
-    def consumer_rs(self, sched, load, wtid, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st):
+    def consumer_rs(self, sched, load, wtid, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st, tma_os, mOT):
         """`rs`: the state chain in registers (see the class docstring). Accumulators are indexed (v, n): v the
         row of S^T (a V column of the block), n a channel (S^T) or a token (v_new^T, o^T)."""
         io = self.io_dtype
         sDecay, cc_s, cc_t, acc_s, acc_v, acc_o = self.rs_fragments(wtid, st)
+        sEg = st.sEg.get_tensor(cute.make_layout((K_DIM, self.num_stages), stride=(1, K_DIM)))
+        sO = wt.smem_view(st.sO, io, C, V_BLOCK, 2)   # tma_o: (token, v, buffer), the TMA store's source
+        o_tiles = Int32(0)   # tma_o: o tiles stored through smem so far (their parity picks the buffer)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
 
         n_vb = mO.shape[2] // V_BLOCK
@@ -412,14 +457,17 @@ class ChunkStatePassSm90:
                 buf = chunks_done % 2
                 chunks_done = chunks_done + 1
                 dg = Float32(1.0)
-                if cutlass.const_expr(self.kda):
-                    # this buffer was last read two chunks ago, before the previous chunk's barrier
-                    sDecay[wtid, buf] = mEg[t0 + L - 1, head, wtid]
-                    cute.arch.barrier(barrier_id=1, number_of_threads=128)
-                else:
-                    dg = Float32(mEg[t0 + L - 1, head])
+                if cutlass.const_expr(not self.ring_decay):
+                    if cutlass.const_expr(self.kda):
+                        # this buffer was last read two chunks ago, before the previous chunk's barrier
+                        sDecay[wtid, buf] = mEg[t0 + L - 1, head, wtid]
+                        cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                    else:
+                        dg = Float32(mEg[t0 + L - 1, head])
                 load.consumer_wait(state)
                 stage = state.index
+                if cutlass.const_expr(self.ring_decay and not self.kda):
+                    dg = sEg[0, stage]
                 tb = cutlass.Int64(0)
                 if cutlass.const_expr(self.profile):
                     tb = cute.arch.clock64()
@@ -443,7 +491,10 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.outputs):
                     wt.gemm_rs(io, wtid, acc_o, rV, sA[None, None, stage], False, True, C, wait=False)
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    if cutlass.const_expr(self.kda):
+                    if cutlass.const_expr(self.kda and self.ring_decay):
+                        _, kk = cc_s[i]
+                        acc_s[i] = acc_s[i] * sEg[kk, stage]
+                    elif cutlass.const_expr(self.kda):
                         _, kk = cc_s[i]
                         acc_s[i] = acc_s[i] * sDecay[kk, buf]
                     else:
@@ -452,7 +503,15 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.outputs):
                     # o^T is done one group before the state update: store it while the update runs
                     warpgroup.wait_group(1)
-                    self.store_o_t(acc_o, cc_t, mO, head, t0, v0, L)
+                    if cutlass.const_expr(self.tma_o):
+                        if L == C:
+                            ob = o_tiles % 2
+                            o_tiles = o_tiles + 1
+                            self.store_o_t_tma(acc_o, cc_t, sO, ob, wtid, tma_os, mOT, head, t0, v0)
+                        else:
+                            self.store_o_t(acc_o, cc_t, mO, head, t0, v0, L)
+                    else:
+                        self.store_o_t(acc_o, cc_t, mO, head, t0, v0, L)
                 td = cutlass.Int64(0)
                 if cutlass.const_expr(self.profile):
                     td = cute.arch.clock64()
@@ -470,6 +529,9 @@ class ChunkStatePassSm90:
                 self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, True)
             work = sched.advance(work)
 
+        if cutlass.const_expr(self.tma_o):
+            if wtid == 0:
+                cute.arch.cp_async_bulk_wait_group(0)   # every o tile written before the CTA (and its smem) ends
         if cutlass.const_expr(self.profile):
             if wtid == 0:
                 bid, _, _ = cute.arch.block_idx()
@@ -477,6 +539,27 @@ class ChunkStatePassSm90:
                 for k, val in enumerate((p0, p1, p2, p3)):
                     flat[8 * bid + k] = Float32(val)
                 flat[8 * bid + 4] = Float32(chunks_done)
+
+    @cute.jit
+    def store_o_t_tma(self, acc_o, cc_t, sO, ob, wtid, tma_os, mOT, head, t0, v0):
+        """tma_o: o^T of a full chunk -> smem buffer `ob` (as o's (token, v) tile) -> one TMA store by thread 0.
+        Buffer reuse: thread 0 waits, before the barrier, until every earlier TMA store has read its smem, so the
+        store that last used the other buffer is done before anyone passes this barrier and writes it."""
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            vv, n = cc_t[i]
+            sO[n, vv, ob] = self.io_dtype(acc_o[i])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        if wtid == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=2, number_of_threads=128)
+        if wtid == 0:
+            g_tile = cute.local_tile(cute.domain_offset((t0, 0), mOT[None, None, head]), (C, V_BLOCK),
+                                     (0, v0 // V_BLOCK))
+            s_part, g_part = cpasync.tma_partition(
+                tma_os, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(g_tile, 0, 2),
+            )
+            cute.copy(tma_os, s_part[(None, ob)], g_part)
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def store_o_t(self, acc_o, cc_t, mO, head, t0, v0, L):

@@ -130,19 +130,24 @@ def _variants() -> list[Variant]:
         for mode, init, final in (("forward", True, True), ("summary", False, False),
                                   ("segment_outputs", True, True)):
             for rs in (False, True):   # rs: the state chain in registers (its S update is one m64n128 product)
-                # rs compiles with exp(G_last) in the TMA ring and (outputs) o tiles leaving by TMA store
-                tma_store = rs and mode != "summary"
+                # rs compiles as the op runs it: exp(G_last) in the ring, o stored from registers
                 out.append(Variant(
                     op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode)
                     + ("_rs" if rs else ""),
                     lambda d, kda=kda, mode=mode, init=init, final=final, rs=rs: compile_state_pass(
-                        torch.bfloat16, kda, init, final, mode=mode, dump_dir=d, rs=rs, ring_decay=rs, tma_o=rs),
+                        torch.bfloat16, kda, init, final, mode=mode, dump_dir=d, rs=rs, ring_decay=rs, tma_o=False),
                     ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc")
-                    + (("wgmma.mma_async.sync.aligned.m64n128k16",) if rs else ())
-                    + (("cp.async.bulk.tensor.3d.global.shared::cta", "cp.async.bulk.wait_group.read")
-                       if tma_store else ()),
+                    + (("wgmma.mma_async.sync.aligned.m64n128k16",) if rs else ()),
                     archs=("sm_90a",),
                 ))
+        out.append(Variant(   # rs with o tiles leaving by TMA store (a switch, off by default)
+            op, f"{tag}_state_pass_sm90_bfloat16_rs_tma_o",
+            lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, True, True, dump_dir=d, rs=True,
+                                                  ring_decay=True, tma_o=True),
+            ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor.3d.global.shared::cta",
+                           "cp.async.bulk.wait_group.read"),
+            archs=("sm_90a",),
+        ))
         out.append(Variant(   # rs with the decays read by the consumer and o stored straight from registers
             op, f"{tag}_state_pass_sm90_bfloat16_rs_direct",
             lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, True, True, dump_dir=d, rs=True,

@@ -60,9 +60,9 @@ class ChunkStatePassSm90:
     a tile's partial last chunk keeps the direct stores (a TMA box would write the next sequence's rows).
 
     `profile` (rs, diagnostics only): the consumer sums clock64 cycles per phase of every chunk -- (0) exp(G_last)
-    load and ring wait, (1) first products and their wait, (2) subtraction, second products issued, o^T stored,
-    (3) the state update's wait and the release -- and thread 0 of the consumer writes [p0, p1, p2, p3, chunks]
-    (fp32) of CTA b to final_state's flat elements [8 b, 8 b + 5) (final_state is then a scratch buffer of at
+    load and ring wait, (1) first products and their wait, (2) subtraction (or masked negation) and conversion of
+    v_new, (4) second products issued, o's wait and o^T stored, (3) the state update's wait and the release -- and thread 0 of the consumer writes [p0, p1, p2, p3, chunks, p4]
+    (fp32) of CTA b to final_state's flat elements [8 b, 8 b + 6) (final_state is then a scratch buffer of at
     least 8 x grid floats, not a state).
 
     Modes (compile time): `forward` (start from initial_state[seq] or 0; final_state[seq] after the last segment
@@ -441,6 +441,7 @@ class ChunkStatePassSm90:
         p1 = cutlass.Int64(0)
         p2 = cutlass.Int64(0)
         p3 = cutlass.Int64(0)
+        p4 = cutlass.Int64(0)
         work = sched.initial_work()
         while work.is_valid:
             head = work.head
@@ -487,6 +488,9 @@ class ChunkStatePassSm90:
                         uval = cutlass.select_(is_m, Float32(0.0), uval)
                     acc_v[i] = cutlass.select_(n < L, uval - acc_v[i], Float32(0.0))
                 rV = wt.acc_to_a(io, acc_v)
+                tc2 = cutlass.Int64(0)
+                if cutlass.const_expr(self.profile):
+                    tc2 = cute.arch.clock64()
                 # o^T += v_new^T Aqk^T and S^T <- S^T diag(exp(G_last)) + v_new^T kg, one commit (A = v_new^T)
                 if cutlass.const_expr(self.outputs):
                     wt.gemm_rs(io, wtid, acc_o, rV, sA[None, None, stage], False, True, C, wait=False)
@@ -522,8 +526,9 @@ class ChunkStatePassSm90:
                     te = cute.arch.clock64()
                     p0 = p0 + (tb - ta)
                     p1 = p1 + (tc - tb)
-                    p2 = p2 + (td - tc)
+                    p2 = p2 + (tc2 - tc)
                     p3 = p3 + (te - td)
+                    p4 = p4 + (td - tc2)
 
             if cutlass.const_expr(not self.profile):
                 self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, True)
@@ -539,6 +544,7 @@ class ChunkStatePassSm90:
                 for k, val in enumerate((p0, p1, p2, p3)):
                     flat[8 * bid + k] = Float32(val)
                 flat[8 * bid + 4] = Float32(chunks_done)
+                flat[8 * bid + 5] = Float32(p4)
 
     @cute.jit
     def store_o_t_tma(self, acc_o, cc_t, sO, ob, wtid, tma_os, mOT, head, t0, v0):

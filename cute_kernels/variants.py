@@ -140,6 +140,13 @@ def _variants() -> list[Variant]:
                     + (("wgmma.mma_async.sync.aligned.m64n128k16",) if rs else ()),
                     archs=("sm_90a",),
                 ))
+        out.append(Variant(   # rs with u read at constant offsets (a switch, off until measured)
+            op, f"{tag}_state_pass_sm90_bfloat16_rs_u_fast",
+            lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, True, True, dump_dir=d, rs=True,
+                                                  ring_decay=True, u_fast=True),
+            ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor"),
+            archs=("sm_90a",),
+        ))
         out.append(Variant(   # rs with o tiles leaving by TMA store (a switch, off by default)
             op, f"{tag}_state_pass_sm90_bfloat16_rs_tma_o",
             lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, True, True, dump_dir=d, rs=True,

@@ -1,4 +1,4 @@
-"""Each rs state-pass variant (exp(G_last) in the ring, o by TMA store: on or off) in its own
+"""Each rs state-pass variant (exp(G_last) in the ring, o by TMA store, u_fast: on or off) in its own
 process, so one fault does not hide the others: error against the smem state pass (unsegmented) on the same
 phase-1 terms, NaN check, and the fault if any.
 
@@ -11,8 +11,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-# (exp(G_last) in the ring, o by TMA store); VARIANTS=name,name picks some
-ALL = {"direct": (0, 0), "ring": (1, 0), "ring+o": (1, 1)}
+# (exp(G_last) in the ring, o by TMA store, u at constant offsets); VARIANTS=name,name picks some
+ALL = {"direct": (0, 0, 0), "ring": (1, 0, 0), "ring+o": (1, 1, 0), "ring+ufast": (1, 0, 1)}
 VARIANTS = {k: ALL[k] for k in os.environ.get("VARIANTS", ",".join(ALL)).split(",")}
 # (B, T, H, segments per sequence: > 1 runs the summary and segment-output kernels)
 SHAPES = [(1, 64, 1, 1), (1, 256, 4, 1), (2, 1000, 3, 1), (1, 8192, 4, 1), (2, 1000, 3, 3), (1, 8192, 4, 5)]
@@ -24,14 +24,14 @@ def one(op, name, B, T, H, N):
     from benchmarks.ops import make_inputs
     from cute_kernels.ops import two_phase
 
-    td, to = ALL[name]
+    td, to, uf = ALL[name]
     kda = op == "kda"
     x = make_inputs(op, B, H, T, torch.bfloat16, "cuda")
     prep = two_phase.chunk_prep_torch(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda)
     two_phase.STATE_PASS_RS = False
     want, want_s = two_phase.state_pass(prep, None, True)
     two_phase.STATE_PASS_RS, two_phase.STATE_RING_DECAY = True, bool(td)
-    two_phase.STATE_O_TMA = bool(to)
+    two_phase.STATE_O_TMA, two_phase.STATE_U_FAST = bool(to), bool(uf)
     o = torch.full_like(want, float("nan"))
     s = torch.full_like(want_s, float("nan"))
     two_phase.state_pass(prep, None, True, num_segments=N, out=(o, s))

@@ -100,9 +100,11 @@ def time_state():
 def time_chain():
     """Where the state pass's time per chunk goes (the rs consumer's `profile` build): clock64 cycles per phase,
     summed over every CTA's chunks (unsplit forward, 2 CTAs per (sequence, head)), next to the plain builds' times:
-    "direct" (exp(G_last) read by the consumer, o stored from registers), "decay" (exp(G_last) by TMA), "decay+o"
-    (and o tiles by TMA store). The plain builds' o must be bitwise equal."""
-    variants = {"direct": (False, False), "ring": (True, False), "ring+o": (True, True)}
+    "direct" (exp(G_last) read by the consumer, o stored from registers), "ring" (exp(G_last) in the ring stage),
+    "ring+o" (and o tiles by TMA store), "ring+ufast" (u read at constant offsets). The plain builds' o must be
+    bitwise equal."""
+    variants = {"direct": (False, False, False), "ring": (True, False, False), "ring+o": (True, True, False),
+                "ring+ufast": (True, False, True)}
     for op in ("gdn", "kda"):
         kda = op == "kda"
         for B, H, T in [(1, 4, 8192), (2, 16, 8192), (1, 3, 1000)]:
@@ -114,9 +116,9 @@ def time_chain():
             terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
             grid = schedule.grid[0]
             line, outs = [], []
-            for name, (td, to) in variants.items():
+            for name, (td, to, uf) in variants.items():
                 plain = two_phase.compile_state_pass(torch.bfloat16, kda, False, False, rs=True,
-                                                     ring_decay=td, tma_o=to).fn
+                                                     ring_decay=td, tma_o=to, u_fast=uf).fn
                 o = torch.full_like(prep.u, float("nan"))
                 t_plain = graph_us(lambda: plain(*terms, o, dummy, dummy, *launch))
                 o = torch.full_like(prep.u, float("nan"))
@@ -128,10 +130,10 @@ def time_chain():
                   flush=True)
             if T < 4096:
                 continue
-            for name in ("direct", "ring"):
-                td, to = variants[name]
+            for name in ("ring", "ring+ufast"):
+                td, to, uf = variants[name]
                 fn = two_phase.compile_state_pass(torch.bfloat16, kda, False, False, rs=True, profile=True,
-                                                  ring_decay=td, tma_o=to).fn
+                                                  ring_decay=td, tma_o=to, u_fast=uf).fn
                 stamps = torch.zeros((1, 1, 128, 128), dtype=torch.float32, device="cuda")
                 o = torch.empty_like(prep.u)
                 t_prof = graph_us(lambda: fn(*terms, o, dummy, stamps, *launch))

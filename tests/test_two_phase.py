@@ -55,17 +55,19 @@ def test_state_pass_rejects_bad_terms():
         two_phase.state_pass(prep)
 
 
-# state-pass variants: (rs, ring stages, exp(G_last) in the ring, o tiles by TMA store)
-STATE_VARIANTS = {"smem": (False, 2, False, False), "rs": (True, 2, True, False), "rs3": (True, 3, True, True),
-                  "rs-direct": (True, 2, False, False), "rs-tma-o": (True, 2, True, True)}
+# state-pass variants: (rs, ring stages, exp(G_last) in the ring, o tiles by TMA store, u at constant offsets)
+STATE_VARIANTS = {"smem": (False, 2, False, False, False), "rs": (True, 2, True, False, False),
+                  "rs3": (True, 3, True, True, False), "rs-direct": (True, 2, False, False, False),
+                  "rs-tma-o": (True, 2, True, True, False), "rs-u-fast": (True, 2, True, False, True)}
 
 
 def use_state_variant(monkeypatch, name):
-    rs, stages, ring_decay, tma_o = STATE_VARIANTS[name]
+    rs, stages, ring_decay, tma_o, u_fast = STATE_VARIANTS[name]
     monkeypatch.setattr(two_phase, "STATE_PASS_RS", rs)
     monkeypatch.setattr(two_phase, "STATE_STAGES", stages)
     monkeypatch.setattr(two_phase, "STATE_RING_DECAY", ring_decay)
     monkeypatch.setattr(two_phase, "STATE_O_TMA", tma_o)
+    monkeypatch.setattr(two_phase, "STATE_U_FAST", u_fast)
 
 
 @requires_sm90
@@ -475,3 +477,61 @@ def test_state_pass_profile_mode_is_rs_only_and_owns_final_state(monkeypatch):
         ChunkStatePassSm90(cutlass.BFloat16, False, False, False, rs=False, profile=True)
     with pytest.raises(ValueError, match="store_final_state=False"):
         ChunkStatePassSm90(cutlass.BFloat16, False, False, True, rs=True, profile=True)
+
+
+U_OFFSET_CHECK = r"""
+import os
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+import cutlass, cutlass.cute as cute
+from cute_kernels.kernels.sm90 import wgmma_tiles as wt
+from cute_kernels.kernels.sm90.state_pass import C, V_BLOCK, u_tile_offset
+
+
+def byte_swizzle(e):   # S<3,4,3> on the byte address of 16-bit element e (what the swizzled smem pointer does)
+    b = 2 * e
+    return (b ^ (((b >> 7) & 7) << 4)) // 2
+
+
+@cute.jit
+def check():
+    bad_coord = 0
+    bad_off = 0
+    thr_mma = wt.make_mma_rs(cutlass.BFloat16, False, C)
+    layout = wt.smem_layout(C, V_BLOCK, cutlass.BFloat16, 2)
+    for t in cutlass.range_constexpr(128):
+        cc = thr_mma.get_slice(t).partition_C(cute.make_identity_tensor((V_BLOCK, C)))
+        lane = t % 32
+        v_t = 16 * (t // 32) + lane // 4
+        n_t = 2 * (lane % 4)
+        for i in cutlass.range_constexpr(32):
+            c2, r2, j = i % 2, (i // 2) % 2, i // 4
+            v, n = cc[i]
+            if cutlass.const_expr(v != v_t + 8 * r2 or n != n_t + c2 + 8 * j):
+                bad_coord += 1
+            for s in cutlass.range_constexpr(2):
+                got = u_tile_offset(s, v, n_t + c2, j)
+                if cutlass.const_expr(got != byte_swizzle(cute.crd2idx((n, v, s), layout.outer))):
+                    bad_off += 1
+    print("COORD MISMATCHES", bad_coord)
+    print("OFFSET MISMATCHES", bad_off)
+
+check()
+"""
+
+
+def test_u_fast_offsets_match_cute_layouts(tmp_path):
+    """The state pass's u_fast reads: the accumulator value i <-> (v, n) mapping it assumes is the one CuTe gives
+    the 64 x 64 RS wgmma, and u_tile_offset is the swizzled address the u tile's smem view uses, for every thread,
+    value and ring stage (CPU: layouts evaluated while tracing). The swizzled smem pointer XORs byte-address bits
+    [4, 7) with bits [7, 10) (SASS of the state pass: `LOP3 addr ^ ((addr >> 3) & 0x70)`)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "u_offset_check.py"  # CuTe DSL compiles only functions defined in a file
+    script.write_text(U_OFFSET_CHECK)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "COORD MISMATCHES 0" in proc.stdout and "OFFSET MISMATCHES 0" in proc.stdout, proc.stdout[-2000:]

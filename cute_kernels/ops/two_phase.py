@@ -190,7 +190,7 @@ _plans: dict = {}
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, STATE_PASS_RS,
     STATE_STAGES)."""
-    full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA)
+    full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST)
     plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:
@@ -290,11 +290,16 @@ STATE_STAGES = int(os.environ.get("CUTE_KERNELS_STATE_STAGES", "2"))
 STATE_RING_DECAY = os.environ.get("CUTE_KERNELS_STATE_RING_DECAY", "1") == "1"
 # o by TMA store: measured 3-5% slower at T=8192 (GDN 1.09 vs 1.06 us per chunk), 5% faster at T=1000; off.
 STATE_O_TMA = os.environ.get("CUTE_KERNELS_STATE_O_TMA", "0") == "1"
+# rs only: u read with constant per-element offsets (no swizzle arithmetic per load) and rows masked only in a
+# partial chunk (`u_fast`); the SASS of the default build spends ~300 instructions per thread and chunk on the
+# u reads (~380 cycles of the chain). Compile-checked, not yet run on a GPU: off until measured.
+STATE_U_FAST = os.environ.get("CUTE_KERNELS_STATE_U_FAST", "0") == "1"
 
 
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                        mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None,
-                       profile: bool = False, ring_decay: bool | None = None, tma_o: bool | None = None):
+                       profile: bool = False, ring_decay: bool | None = None, tma_o: bool | None = None,
+                       u_fast: bool | None = None):
     """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `rs` defaults to
     STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs). `profile`: the diagnostic build whose
     final_state argument receives per-CTA phase cycles (`ChunkStatePassSm90` docstring)."""
@@ -303,9 +308,10 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     rs = STATE_PASS_RS if rs is None else rs
     num_stages = (STATE_STAGES if rs else 2) if num_stages is None else num_stages
     ring_decay = (STATE_RING_DECAY and rs) if ring_decay is None else ring_decay
+    u_fast = (STATE_U_FAST and rs) if u_fast is None else u_fast
     tma_o = (STATE_O_TMA and rs) if tma_o is None else tma_o
     key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
-           profile, ring_decay, tma_o)
+           profile, ring_decay, tma_o, u_fast)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -317,7 +323,8 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
 
         io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
-                                    num_stages=num_stages, profile=profile, ring_decay=ring_decay, tma_o=tma_o)
+                                    num_stages=num_stages, profile=profile, ring_decay=ring_decay, tma_o=tma_o,
+                                    u_fast=u_fast)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg

@@ -59,6 +59,10 @@ class ChunkStatePassSm90:
     issued by consumer thread 0 after a named barrier, instead of 32 scattered 2-byte global stores per thread;
     a tile's partial last chunk keeps the direct stores (a TMA box would write the next sequence's rows).
 
+    `u_fast` (rs): v_new = u - S w reads u through four per-thread base offsets into the (unswizzled) u tile
+    and 8 constant row-block steps (`u_tile_offset`) -- one LDS with an immediate offset per element instead of
+    the swizzle arithmetic on every address -- and masks rows only in a partial chunk.
+
     `profile` (rs, diagnostics only): the consumer sums clock64 cycles per phase of every chunk -- (0) exp(G_last)
     load and ring wait, (1) first products and their wait, (2) subtraction (or masked negation) and conversion of
     v_new, (4) second products issued, o's wait and o^T stored, (3) the state update's wait and the release -- and thread 0 of the consumer writes [p0, p1, p2, p3, chunks, p4]
@@ -75,7 +79,7 @@ class ChunkStatePassSm90:
 
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                  mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False,
-                 ring_decay: bool = False, tma_o: bool = False):
+                 ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False):
         if mode not in ("forward", "segment_outputs", "summary"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
@@ -92,8 +96,9 @@ class ChunkStatePassSm90:
         if profile and (not rs or store_final_state):
             raise ValueError("profile mode needs rs=True and store_final_state=False (final_state holds the stamps)")
         self.profile = profile
-        if (ring_decay or tma_o) and not rs:
-            raise ValueError("ring_decay / tma_o are rs-consumer options (rs=True)")
+        if (ring_decay or tma_o or u_fast) and not rs:
+            raise ValueError("ring_decay / tma_o / u_fast are rs-consumer options (rs=True)")
+        self.u_fast = u_fast
         self.ring_decay = ring_decay
         self.tma_o = tma_o and mode != "summary"
         self.num_threads = 256
@@ -433,6 +438,7 @@ class ChunkStatePassSm90:
         sEg = st.sEg.get_tensor(cute.make_layout((K_DIM, self.num_stages), stride=(1, K_DIM)))
         sO = wt.smem_view(st.sO, io, C, V_BLOCK, 2)   # tma_o: (token, v, buffer), the TMA store's source
         o_tiles = Int32(0)   # tma_o: o tiles stored through smem so far (their parity picks the buffer)
+        uflat = cute.make_tensor(st.sU.data_ptr(), cute.make_layout(C * V_BLOCK * self.num_stages))   # u_fast
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
 
         n_vb = mO.shape[2] // V_BLOCK
@@ -481,12 +487,15 @@ class ChunkStatePassSm90:
                 tc = cutlass.Int64(0)
                 if cutlass.const_expr(self.profile):
                     tc = cute.arch.clock64()
-                for i in cutlass.range_constexpr(cute.size(acc_v)):
-                    vv, n = cc_t[i]
-                    uval = Float32(sU[n, vv, stage])
-                    if cutlass.const_expr(self.mode == "summary"):
-                        uval = cutlass.select_(is_m, Float32(0.0), uval)
-                    acc_v[i] = cutlass.select_(n < L, uval - acc_v[i], Float32(0.0))
+                if cutlass.const_expr(self.u_fast):
+                    self.sub_u_fast(acc_v, cc_t, uflat, stage, wtid, is_m, L)
+                else:
+                    for i in cutlass.range_constexpr(cute.size(acc_v)):
+                        vv, n = cc_t[i]
+                        uval = Float32(sU[n, vv, stage])
+                        if cutlass.const_expr(self.mode == "summary"):
+                            uval = cutlass.select_(is_m, Float32(0.0), uval)
+                        acc_v[i] = cutlass.select_(n < L, uval - acc_v[i], Float32(0.0))
                 rV = wt.acc_to_a(io, acc_v)
                 tc2 = cutlass.Int64(0)
                 if cutlass.const_expr(self.profile):
@@ -547,6 +556,25 @@ class ChunkStatePassSm90:
                 flat[8 * bid + 5] = Float32(p4)
 
     @cute.jit
+    def sub_u_fast(self, acc_v, cc_t, uflat, stage, wtid, is_m, L):
+        """u_fast: acc_v <- u^T - acc_v (rows >= L of a partial chunk: 0). Accumulator value i of a 64 x 64 wgmma
+        is (v, n) = (v_t + 8 r2, n_t + c2 + 8 j) for i = c2 + 2 r2 + 4 j (v_t = 16 warp + lane / 4, n_t =
+        2 (lane % 4)); tests/test_two_phase.py checks this and `u_tile_offset` against CuTe's layouts."""
+        lane = wtid % 32
+        v_t = 16 * (wtid // 32) + lane // 4
+        n_t = 2 * (lane % 4)
+        for i in cutlass.range_constexpr(cute.size(acc_v)):
+            c2, r2, j = i % 2, (i // 2) % 2, i // 4
+            uval = Float32(uflat[u_tile_offset(stage, v_t + 8 * r2, n_t + c2, j)])
+            if cutlass.const_expr(self.mode == "summary"):
+                uval = cutlass.select_(is_m, Float32(0.0), uval)
+            acc_v[i] = uval - acc_v[i]
+        if L < C:   # warp-uniform: only a tile's last chunk can be partial
+            for i in cutlass.range_constexpr(cute.size(acc_v)):
+                _, n = cc_t[i]
+                acc_v[i] = cutlass.select_(n < L, acc_v[i], Float32(0.0))
+
+    @cute.jit
     def store_o_t_tma(self, acc_o, cc_t, sO, ob, wtid, tma_os, mOT, head, t0, v0):
         """tma_o: o^T of a full chunk -> smem buffer `ob` (as o's (token, v) tile) -> one TMA store by thread 0.
         Buffer reuse: thread 0 waits, before the barrier, until every earlier TMA store has read its smem, so the
@@ -585,3 +613,10 @@ def chunk_rows(tok0, tok_end, c):
     if L > C:
         L = Int32(C)
     return t0, L
+
+
+def u_tile_offset(stage, v, n0, j):
+    """Element offset of u[8 j + n0, v] in stage `stage` of the state pass's u ring (64 x 64 16-bit tiles, K-major,
+    128-byte swizzle: the 16-byte column group of row n is XORed with n % 8), for n0 < 8. The 8-row blocks are
+    512 elements apart and the swizzle only involves n0, so j only adds a constant."""
+    return stage * (C * V_BLOCK) + n0 * V_BLOCK + (v ^ (n0 << 3)) + 8 * V_BLOCK * j

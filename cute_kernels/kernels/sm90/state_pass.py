@@ -333,12 +333,7 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.outputs):
                     wt.gemm(io, wtid, acc_o, sQg[None, None, stage], sS_mn, False, True, False, wait=False)
                 warpgroup.wait_group(0)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    r, cidx = cc_ab[i]
-                    uval = Float32(sU[r, cidx, stage])
-                    if cutlass.const_expr(self.mode == "summary"):
-                        uval = cutlass.select_(is_m, Float32(0.0), uval)
-                    acc[i] = cutlass.select_(r < L, uval - acc[i], Float32(0.0))
+                self.sub_u(acc, cc_ab, sU, stage, is_m, L, False)
                 wt.store_acc(io, wtid, mma64, acc, sVnew)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
@@ -490,12 +485,7 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.u_fast):
                     self.sub_u_fast(acc_v, cc_t, uflat, stage, wtid, is_m, L)
                 else:
-                    for i in cutlass.range_constexpr(cute.size(acc_v)):
-                        vv, n = cc_t[i]
-                        uval = Float32(sU[n, vv, stage])
-                        if cutlass.const_expr(self.mode == "summary"):
-                            uval = cutlass.select_(is_m, Float32(0.0), uval)
-                        acc_v[i] = cutlass.select_(n < L, uval - acc_v[i], Float32(0.0))
+                    self.sub_u(acc_v, cc_t, sU, stage, is_m, L, True)
                 rV = wt.acc_to_a(io, acc_v)
                 tc2 = cutlass.Int64(0)
                 if cutlass.const_expr(self.profile):
@@ -554,6 +544,18 @@ class ChunkStatePassSm90:
                     flat[8 * bid + k] = Float32(val)
                 flat[8 * bid + 4] = Float32(chunks_done)
                 flat[8 * bid + 5] = Float32(p4)
+
+    @cute.jit
+    def sub_u(self, acc, coords, sU, stage, is_m, L, transposed: bool):
+        """v_new = u - (w S): acc <- u - acc, rows past the chunk end (token >= L) 0; summary mode's M blocks
+        use u = 0. `coords` are the accumulator's (token, v), or (v, token) when `transposed` (rs)."""
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            a, b = coords[i]
+            n, vv = (b, a) if transposed else (a, b)
+            uval = Float32(sU[n, vv, stage])
+            if cutlass.const_expr(self.mode == "summary"):
+                uval = cutlass.select_(is_m, Float32(0.0), uval)
+            acc[i] = cutlass.select_(n < L, uval - acc[i], Float32(0.0))
 
     @cute.jit
     def sub_u_fast(self, acc_v, cc_t, uflat, stage, wtid, is_m, L):

@@ -54,20 +54,22 @@ class ChunkStatePassSm90:
     `ring_decay` (rs): each chunk's exp(G_last) rides the ring: the producer warp loads it (KDA: eg's row of 128
     floats, 4 per lane; GDN: one float) before it waits for the stage to be free, stores it into the stage's slot
     and only then arrives (arrive + expect_tx, a release) -- so the consumer, whose wait on the stage acquires,
-    never waits on a global load for it (and KDA needs no named barrier per chunk). `tma_o` (rs, outputs): o^T of a full chunk goes through a
-    double-buffered smem tile [64 x 64] and leaves by one TMA store (`cp.async.bulk.tensor` shared -> global)
-    issued by consumer thread 0 after a named barrier, instead of 32 scattered 2-byte global stores per thread;
-    a tile's partial last chunk keeps the direct stores (a TMA box would write the next sequence's rows).
+    never waits on a global load for it (and KDA needs no named barrier per chunk).
+
+    `tma_o` (rs, outputs): o^T of a full chunk goes through a double-buffered smem tile [64 x 64] and leaves by
+    one TMA store (`cp.async.bulk.tensor` shared -> global) issued by consumer thread 0 after a named barrier,
+    instead of 32 scattered 2-byte global stores per thread; a tile's partial last chunk keeps the direct stores
+    (a TMA box would write the next sequence's rows).
 
     `u_fast` (rs): v_new = u - S w reads u through four per-thread base offsets into the (unswizzled) u tile
     and 8 constant row-block steps (`u_tile_offset`) -- one LDS with an immediate offset per element instead of
     the swizzle arithmetic on every address -- and masks rows only in a partial chunk.
 
     `profile` (rs, diagnostics only): the consumer sums clock64 cycles per phase of every chunk -- (0) exp(G_last)
-    load and ring wait, (1) first products and their wait, (2) subtraction (or masked negation) and conversion of
-    v_new, (4) second products issued, o's wait and o^T stored, (3) the state update's wait and the release -- and thread 0 of the consumer writes [p0, p1, p2, p3, chunks, p4]
-    (fp32) of CTA b to final_state's flat elements [8 b, 8 b + 6) (final_state is then a scratch buffer of at
-    least 8 x grid floats, not a state).
+    load and ring wait, (1) first products and their wait, (2) subtraction and conversion of v_new, (4) second
+    products issued, o's wait and o^T stored, (3) the state update's wait and the release -- and thread 0 of the
+    consumer writes [p0, p1, p2, p3, chunks, p4] (fp32) of CTA b to final_state's flat elements [8 b, 8 b + 6)
+    (final_state is then a scratch buffer of at least 8 x grid floats, not a state).
 
     Modes (compile time): `forward` (start from initial_state[seq] or 0; final_state[seq] after the last segment
     if `store_final_state`); `segment_outputs` (start from start_states[seg_slot], same outputs); `summary` (the
@@ -148,9 +150,12 @@ class ChunkStatePassSm90:
         tma_kg, tma_kg_t = cpasync.make_tiled_tma_atom(op, thd(kg), wide, (C, K_DIM))
         tma_u, tma_u_t = cpasync.make_tiled_tma_atom(op, thd(u), narrow, (C, V_BLOCK))
         tma_a, tma_a_t = cpasync.make_tiled_tma_atom(op, thd(aqk), narrow, (C, V_BLOCK))
-        # tma_o: o tiles [64 tokens x 64 V columns] leave from smem (the same swizzled layout as the u tile)
-        tma_os, tma_os_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), thd(o), narrow,
-                                                       (C, V_BLOCK))
+        # tma_o: o tiles [64 tokens x 64 V columns] leave from smem (the same swizzled layout as the u tile);
+        # without it the u atom stands in, unused (no descriptor encoded per call for nothing)
+        tma_os, tma_os_t = tma_u, tma_u_t
+        if cutlass.const_expr(self.tma_o):
+            tma_os, tma_os_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), thd(o), narrow,
+                                                           (C, V_BLOCK))
 
         stages = self.num_stages
 

@@ -188,8 +188,8 @@ _plans: dict = {}
 
 
 def _cached_plan(cls, *key):
-    """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, STATE_PASS_RS,
-    STATE_STAGES)."""
+    """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM and the STATE_* switches
+    of the state pass)."""
     full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST)
     plan = _plans.get(full)
     if plan is None:
@@ -285,14 +285,14 @@ STATE_PASS_RS = os.environ.get("CUTE_KERNELS_STATE_PASS_RS", "1") == "1"
 # but measured no faster: 1.65 us per chunk either way, benchmarks/results/state_pass_variants_h200_2026-12-03.txt).
 STATE_STAGES = int(os.environ.get("CUTE_KERNELS_STATE_STAGES", "2"))
 # rs only: each chunk's exp(G_last) rides the ring (loaded by the producer warp; no global-load latency on the
-# chain: the profile build showed KDA waiting ~750-1030 cycles per chunk on it) and full o tiles leave by TMA store
-# from smem instead of 32 scattered 2-byte stores per thread (`ChunkStatePassSm90(ring_decay=, tma_o=)`).
+# chain: the profile build showed KDA waiting ~750-1030 cycles per chunk on it) (`ChunkStatePassSm90(ring_decay=)`).
 STATE_RING_DECAY = os.environ.get("CUTE_KERNELS_STATE_RING_DECAY", "1") == "1"
-# o by TMA store: measured 3-5% slower at T=8192 (GDN 1.09 vs 1.06 us per chunk), 5% faster at T=1000; off.
+# rs only: full o tiles leave by one TMA store from smem instead of 32 scattered 2-byte stores per thread
+# (`tma_o`): measured 3-5% slower at T=8192 (GDN 1.09 vs 1.06 us per chunk), 5% faster at T=1000; off.
 STATE_O_TMA = os.environ.get("CUTE_KERNELS_STATE_O_TMA", "0") == "1"
 # rs only: u read with constant per-element offsets (no swizzle arithmetic per load) and rows masked only in a
-# partial chunk (`u_fast`); the SASS of the default build spends ~300 instructions per thread and chunk on the
-# u reads (~380 cycles of the chain). Compile-checked, not yet run on a GPU: off until measured.
+# partial chunk (`u_fast`); in the SASS of the default build ~80 of the ~245 instructions per thread of the v_new
+# step (~380 cycles of the chain) are per-load swizzle arithmetic. Compile-checked, not yet run on a GPU: off.
 STATE_U_FAST = os.environ.get("CUTE_KERNELS_STATE_U_FAST", "0") == "1"
 
 
@@ -329,7 +329,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg
             fake_tensor(io, (DYN, DYN, DYN, 64)),                # aqk
-            fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN)),   # eg (16-byte aligned: TMA)
+            fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN)),   # eg (16-byte aligned: checked)
             wide(),                                              # o
             fake_tensor(f32, (DYN, DYN, 128, 128)),
             fake_tensor(f32, (DYN, DYN, 128, 128)),

@@ -68,6 +68,9 @@ for stage in $stages; do
     prep-time)
       timeout -s INT -k 20 $t python3 scripts/time_two_phase.py prep 2>&1 | tee "$out/prep_time.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
+    prep-profile)   # GDN phase 1 (slim): its time and cycles per step (clock64 stamps)
+      timeout -s INT -k 20 $t python3 scripts/time_two_phase.py prep-profile 2>&1 | tee "$out/prep_profile.log" | grep -v Warn
+      status=$((status | ${PIPESTATUS[0]})) ;;
     merge-time)
       timeout -s INT -k 20 $t python3 scripts/time_merges.py 2>&1 | tee "$out/merge_time.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;

@@ -6,6 +6,9 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py prep       # only GDN's phase 1, slim (two CTAs per SM) against one CTA per SM
     python3 scripts/time_two_phase.py state      # only phase 2: smem / rs chain, ring depth (STATE_VARIANTS)
     python3 scripts/time_two_phase.py chain      # phase 2's cycles per chunk by phase (the profile build)
+    python3 scripts/time_two_phase.py prep-profile   # GDN phase 1 (slim): its time and cycles per step
+    python3 scripts/time_two_phase.py paths      # large B x H: fused vs two-phase (forced), GDN and KDA, FLA beside
+    python3 scripts/time_two_phase.py raw        # GDN with STATE_RAW_QK off / on: each phase and the op, FLA beside
 """
 
 import os
@@ -120,9 +123,9 @@ def time_chain():
                 plain = two_phase.compile_state_pass(torch.bfloat16, kda, False, False, rs=True,
                                                      ring_decay=td, tma_o=to, u_fast=uf).fn
                 o = torch.full_like(prep.u, float("nan"))
-                t_plain = graph_us(lambda: plain(*terms, o, dummy, dummy, *launch))
+                t_plain = graph_us(lambda: plain(*terms, o, dummy, dummy, *launch, prep.scale))
                 o = torch.full_like(prep.u, float("nan"))
-                plain(*terms, o, dummy, dummy, *launch)
+                plain(*terms, o, dummy, dummy, *launch, prep.scale)
                 outs.append(o)
                 line.append(f"{name} {t_plain:.1f} us ({t_plain / (-(-T // 64)):.2f}/chunk)")
             same = all(torch.equal(outs[0], y) for y in outs[1:]) and not outs[0].isnan().any()
@@ -136,9 +139,9 @@ def time_chain():
                                                   ring_decay=td, tma_o=to, u_fast=uf).fn
                 stamps = torch.zeros((1, 1, 128, 128), dtype=torch.float32, device="cuda")
                 o = torch.empty_like(prep.u)
-                t_prof = graph_us(lambda: fn(*terms, o, dummy, stamps, *launch))
+                t_prof = graph_us(lambda: fn(*terms, o, dummy, stamps, *launch, prep.scale))
                 stamps.zero_()
-                fn(*terms, o, dummy, stamps, *launch)
+                fn(*terms, o, dummy, stamps, *launch, prep.scale)
                 torch.cuda.synchronize()
                 p = stamps.flatten()[: 8 * grid].view(grid, 8).double()
                 chunks = p[:, 4].sum().item()
@@ -151,7 +154,107 @@ def time_chain():
                       f"update wait+release {cyc[4]:.0f}", flush=True)
 
 
+def time_prep_profile():
+    """GDN phase 1 (slim): its time, then the profile build's cycles per chunk by step (consumer thread 0 of each
+    CTA) and the CTAs' average lifetime per chunk. PREP_CPT=1,2,4 sets the chunks per tile tried."""
+    from schedulers import Segmentation, schedule_from_segmentation, split_even
+
+    cpts = [int(c) for c in os.environ.get("PREP_CPT", "2").split(",")]
+    names = ["gates", "qkv wait", "Akk/Aqk", "qg/kg stores", "solve", "w/u products", "stores+release"]
+    for B, H, T in [(1, 4, 16384), (2, 16, 8192)]:
+        x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
+        args = (x["q"], x["k"], x["v"], x["g"].float(), x["beta"])
+        chunks = -(-T // 64)
+        problem = two_phase._problem(B, T, H, None)
+        for cpt in cpts:
+            seg = Segmentation([split_even(c, max(1, -(-c // cpt))) for c in problem.chunks])
+            sch = schedule_from_segmentation(problem, seg, "prep")
+            launch = (sch.table_on(x["q"].device), sch.num_tiles, sch.grid[0])
+            t = two_phase.PrepPlan(B, T, H, None, False, torch.bfloat16, x["beta"].dtype, x["q"].device,
+                                   cpt).allocate(torch.bfloat16)
+            terms = (t.qg, t.w, t.u, t.kg, t.aqk, t.eg)
+            fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, False).fn
+            us = graph_us(lambda: fn(*args, *terms, *launch, 128 ** -0.5))
+            print(f"gdn prep B={B} H={H} T={T} chunks/tile {cpt} ({sch.num_tiles} CTAs): {us:.1f} us "
+                  f"({us * 264 / (B * H * chunks):.2f} us/chunk/CTA)", flush=True)
+            fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, False, profile=True).fn
+            t.eg.zero_()
+            fn(*args, *terms, *launch, 128 ** -0.5)
+            torch.cuda.synchronize()
+            n = sch.num_tiles
+            p = t.eg.flatten()[: 16 * n].view(n, 16).double()
+            nch = p[:, 7].sum().item()
+            cyc = (p[:, :7].sum(0) / nch).tolist()
+            life = (p[:, 8].sum() / nch).item()
+            print("  profile, cycles per chunk: " + ", ".join(f"{a} {b:.0f}" for a, b in zip(names, cyc))
+                  + f" | sum {sum(cyc):.0f}, CTA lifetime per chunk {life:.0f}", flush=True)
+    for B, H, T in [(1, 4, 16384), (2, 16, 8192)]:   # KDA's phase 1 (one CTA per SM), two-chunk tiles
+        x = ops.make_inputs("kda", B, H, T, torch.bfloat16, "cuda")
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+        us = graph_us(lambda: two_phase.chunk_prep(*args, kda=True, chunks_per_tile=2))
+        print(f"kda prep B={B} H={H} T={T}: {us:.1f} us ({us * 132 / (B * H * -(-T // 64)):.2f} us/chunk/CTA)",
+              flush=True)
+
+
+def time_raw():
+    """GDN with and without STATE_RAW_QK (phase 1 writes no qg / kg; the state pass gates q and k): phase 1, the
+    unsplit state pass (per chunk) and the whole op ("auto" segments), FLA in the same run; outputs compared."""
+    _, peer = ops.load_peer("gdn")
+    ours, _ = ops.load_ours("gdn")
+    la.TWO_PHASE = "1"
+    for B, H, T in [(1, 4, 16384), (1, 4, 4096), (2, 16, 8192), (8, 4, 16384), (1, 3, 1000)]:
+        x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+        line, outs = [], []
+        for raw in (False, True):
+            two_phase.STATE_RAW_QK = raw
+            prep = two_phase.chunk_prep(*args, kda=False)
+            t1 = graph_us(lambda: two_phase.chunk_prep(*args, kda=False))
+            t2 = graph_us(lambda: two_phase.state_pass(prep, None, True))
+            o_state = two_phase.state_pass(prep, None, True)[0]
+            t_op = graph_us(lambda: ops.call_ours("gdn", ours, x))
+            outs.append((o_state, ops.call_ours("gdn", ours, x)[0]))
+            line.append(f"{'raw' if raw else 'qg/kg'}: prep {t1:.1f} state {t2:.1f} ({t2 / (-(-T // 64)):.2f}/chunk) "
+                        f"op {t_op:.1f} us")
+        two_phase.STATE_RAW_QK = False
+        tf = graph_us(lambda: peer(x))
+        err = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(outs[1], outs[0])]
+        nan = any(y.isnan().any().item() for y in outs[1])
+        print(f"gdn B={B} H={H} T={T}: " + " | ".join(line) + f" | FLA {tf:.1f} us | raw vs qg/kg rel diff "
+              f"state {err[0]:.2e} op {err[1]:.2e}, NaN {nan}", flush=True)
+    la.TWO_PHASE = "auto"
+
+
+def time_paths():
+    """Large B x H: the fused forward against the two-phase path (both forced), GDN and KDA, FLA beside -- the
+    cells where the cost models decide between them (PATH_CELLS=B,H,T;B,H,T overrides)."""
+    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
+        "PATH_CELLS", "16,64,4096;4,32,4096").split(";")]
+    for op in ("gdn", "kda"):
+        _, peer = ops.load_peer(op)
+        ours, _ = ops.load_ours(op)
+        for B, H, T in cells:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            res = {}
+            for name, mode in (("fused", "0"), ("two-phase", "1")):
+                la.TWO_PHASE = mode
+                res[name] = graph_us(lambda: ops.call_ours(op, ours, x), calls=3, reps=3)
+            la.TWO_PHASE = "auto"
+            ops.call_ours(op, ours, x)
+            auto = "two-phase" if la._last_choice and la._last_choice[1] else "fused"
+            tf = graph_us(lambda: peer(x), calls=3, reps=3)
+            chunks = B * H * -(-T // 64)
+            print(f"{op} B={B} H={H} T={T}: fused {res['fused']:.0f} us ({res['fused'] * 132 / chunks:.2f} us/chunk "
+                  f"per SM) | two-phase {res['two-phase']:.0f} us | FLA {tf:.0f} us | auto picks {auto}", flush=True)
+
+
 def main():
+    if sys.argv[1:] == ["paths"]:
+        return time_paths()
+    if sys.argv[1:] == ["raw"]:
+        return time_raw()
+    if sys.argv[1:] == ["prep-profile"]:
+        return time_prep_profile()
     if sys.argv[1:] == ["prep"]:
         return time_prep()
     if sys.argv[1:] == ["state"]:

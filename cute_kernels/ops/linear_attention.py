@@ -80,7 +80,10 @@ AUTO_SEGMENTS = os.environ.get("CUTE_KERNELS_AUTO_SEGMENTS", "1") == "1"
 # and the affine merge's time per segment along a sequence, per merge variant. With these the model predicted the
 # segmented GDN at B=1 H=4 within 5% (T=1024/4096/8192: 77/146/247 us predicted, 81/146/249 us measured).
 # KDA: 16.4 us with KDA_VEC and KDA_PREFETCH on (scripts/gdn_profile.py kda, B=16 H=64 T=4096; 26.0 without).
-CHUNK_US = {False: 9.5, True: 16.4}
+# GDN re-measured with the vectorized solve (2026-12-03, session 10, `scripts/time_two_phase.py paths`): 3552 us at
+# B=16 H=64 T=4096 (8 waves x 64 chunks: 6.9 us), 470 us at B=4 H=32 T=4096 (one wave: 7.3 us) -> 7.2. KDA's
+# fused kernel shares the solve but was not re-measured (its 16.4 is now an upper bound).
+CHUNK_US = {False: 7.2, True: 16.4}
 # "auto" takes the two-phase path only where its predicted time is under this fraction of the fused kernel's: the
 # models fit measured times within ~5-10%, and inside that band the fused kernel (one launch, no phase-1 terms in
 # memory) is the safer choice (GDN at B*H = 128: two-phase predicted 0.97-1.03x of fused, measured never).
@@ -374,15 +377,16 @@ def _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, 
     g32 = g if g.dtype == torch.float32 else g.float()
     prep = two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device).run(q, k, v, g32, beta, scale,
                                                                                    reuse=True)
-    plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, initial_state is not None, final is not None, n, device)
+    plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, initial_state is not None, final is not None, n, device,
+                                prep.raw)
     plan.run(prep, initial_state, o, final)
 
 
 def _two_phase_plans_ready(q, beta, B, T, H, cu, kda, init, store_final, n, device):
     """Build (once; cached) the two-phase plans `_two_phase_forward` would use for this call, without running."""
     two_phase = _two_phase_module()
-    two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device)
-    two_phase.state_plan(B, T, H, cu, kda, q.dtype, init, store_final, n, device)
+    prep = two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device)
+    two_phase.state_plan(B, T, H, cu, kda, q.dtype, init, store_final, n, device, prep.raw)
 
 
 # KDA's per-element passes in 16-byte vectors (`vec_elementwise`) and its gates prefetched one chunk ahead (g by

@@ -15,7 +15,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from schedulers.device import TileScheduler
 
-from .gdn_fwd import HALF, ChunkGatedDeltaRuleFwdSm90, C, flat
+from .gdn_fwd import AKK_STRIDE, HALF, ChunkGatedDeltaRuleFwdSm90, C, flat
 
 
 class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
@@ -36,10 +36,20 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     q/k/v stage, and a shared-memory struct of its own (~95 KB): qg and kg leave right after step 1, so w is
     staged in the k tile and u in the v tile it replaces (each warpgroup overwrites only the 64 columns its own
     product read).
+
+    `profile` (diagnostics only; its eg output is not written): consumer thread 0 sums clock64 cycles per step of
+    every chunk -- (0) gates, (1) the q/k/v wait, (2) Akk/Aqk, (3) qg/kg stores (slim), (4) solve, (5) w/u
+    products, (6) global stores + release -- and writes them, its chunk count (7) and the CTA's whole time (8) as
+    floats to eg's first elements, 16 per CTA (`PROFILE_FIELDS`).
+
+    `raw_qk` (GDN): no qg / kg (the state pass applies the gates to q and k itself, `ChunkStatePassSm90(raw_qk=)`);
+    eg gets G (log2 units, cumulative inside the chunk) at every row instead of exp(G_last) at the last.
     """
 
+    PROFILE_FIELDS = 16
+
     def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
-                 prefetch_gates: bool = False, slim: bool = False):
+                 prefetch_gates: bool = False, slim: bool = False, profile: bool = False, raw_qk: bool = False):
         super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
                          vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
         if slim and kda:
@@ -49,6 +59,10 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             self.num_stages = 1
             self.num_threads = 288
         self.ctas_per_sm = 2 if slim else 1
+        self.profile = profile
+        if raw_qk and kda:
+            raise ValueError("ChunkPrepSm90: raw_qk is GDN only (KDA's gates are per channel)")
+        self.raw_qk = raw_qk
 
     @cute.jit
     def __call__(
@@ -99,7 +113,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             sXk: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
             sXv: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
             sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
-            sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * (C + 1)], 16]
+            sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * AKK_STRIDE], 16]
             sY: cute.struct.Align[cute.struct.MemRange[Float32, 3 * 16 * 16], 16]
             sG: cute.struct.MemRange[Float32, C]
             sEG: cute.struct.MemRange[Float32, C]
@@ -180,7 +194,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             sFlag = st.sFlag.get_tensor(cute.make_layout(4))
         sXv = self.view(st.sXv, C, C)[None, None, 0]
         sAqk = self.view(st.sAqk, C, C)[None, None, 0]
-        sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(C + 1, 1)))
+        sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
         sY = st.sY.get_tensor(cute.make_layout((3, 16, 16), stride=(256, 16, 1)))
         sG = st.sG.get_tensor(cute.make_layout(C))
         sEG = st.sEG.get_tensor(cute.make_layout(C))
@@ -204,6 +218,12 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         acc = cute.make_rmem_tensor(mma64.get_slice(wtid).partition_shape_C((C, HALF)), Float32)
         tAkk = thr_kk.partition_C(sAkk)
 
+        prof = cute.make_rmem_tensor((8,), cutlass.Int64)   # profile: cycles per step, summed over chunks
+        prof.fill(0)
+        n_chunks = Int32(0)
+        t_begin = cutlass.Int64(0)
+        if cutlass.const_expr(self.profile):
+            t_begin = cute.arch.clock64()
         work = sched.initial_work()
         while work.is_valid:
             head = work.head
@@ -230,6 +250,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 L = tok_end - t0
                 if L > C:
                     L = Int32(C)
+                self.stamp(prof, -1)
                 # -- 0. gates (as the fused kernel: GDN's loaded one chunk ahead)
                 if cutlass.const_expr(kda):
                     self.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv)
@@ -246,9 +267,11 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                         if t0 + C + ctid < tok_end:
                             gv = Float32(mG[t0 + C + ctid, head])
                             bv = Float32(mBeta[t0 + C + ctid, head])
+                self.stamp(prof, 0)
                 load.consumer_wait(state)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 stage = state.index
+                self.stamp(prof, 1)
 
                 # -- 1. Akk (fp32) and Aqk (16-bit); KDA: then the in-place gating of q and k, kb = k 2^G
                 if cutlass.const_expr(kda):
@@ -275,15 +298,18 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
-                if cutlass.const_expr(self.slim):
+                self.stamp(prof, 2)
+                if cutlass.const_expr(self.slim and not self.raw_qk):
                     # qg and kg leave now: step 3 overwrites the k tile with w
                     self.store_scaled_rows(ctid, L, sQ[None, None, stage], mQg, t0, head, scale, sEG, True)
                     self.store_scaled_rows(ctid, L, sK[None, None, stage], mKg, t0, head, scale, sEGL, False)
+                self.stamp(prof, 3)
 
                 # -- 2. X = (I + Akk)^-1 -> Xv = X diag(beta), GDN: Xk = X diag(beta 2^G)
                 self.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                self.stamp(prof, 4)
 
                 # -- 3. w and u, V columns [v0, v0 + 64) of this consumer -> smem
                 if cutlass.const_expr(kda):
@@ -296,16 +322,22 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                           False, True, False)
                 self.store_acc(wtid, mma64, acc, sU_j)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                self.stamp(prof, 5)
 
                 # -- 4. the terms -> global (rows < L)
                 self.store_rows(wtid, sW_j, mW, t0, head, v0, L)
                 self.store_rows(wtid, sU_j, mU, t0, head, v0, L)
                 if j == 0:
                     self.store_rows(wtid, sAqk, mA, t0, head, 0, L)
-                if cutlass.const_expr(not self.slim):
+                if cutlass.const_expr(not self.slim and not self.raw_qk):
                     self.store_scaled_rows(ctid, L, sQ[None, None, stage], mQg, t0, head, scale, sEG, True)
                     self.store_scaled_rows(ctid, L, sK[None, None, stage], mKg, t0, head, scale, sEGL, False)
-                if cutlass.const_expr(kda):
+                if cutlass.const_expr(self.profile):
+                    n_chunks = n_chunks + 1
+                elif cutlass.const_expr(self.raw_qk):
+                    if ctid < L:
+                        mEg[t0 + ctid, head] = sG[ctid]
+                elif cutlass.const_expr(kda):
                     if ctid < 128:
                         mEg[t0 + L - 1, head, ctid] = cute.math.exp2(sGL[ctid], fastmath=True)
                 else:
@@ -318,7 +350,27 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 state.advance()
                 # Protects every smem buffer from the next chunk's writers.
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                self.stamp(prof, 6)
             work = sched.advance(work)
+        if cutlass.const_expr(self.profile):
+            t_end = cute.arch.clock64()
+            if ctid == 0:
+                bid, _, _ = cute.arch.block_idx()
+                flat = cute.make_tensor(mEg.iterator, cute.make_layout(cute.size(mEg)))
+                n = self.PROFILE_FIELDS
+                for i in cutlass.range_constexpr(7):
+                    flat[n * bid + i] = Float32(prof[i])
+                flat[n * bid + 7] = Float32(n_chunks)
+                flat[n * bid + 8] = Float32(t_end - t_begin)
+
+    @cute.jit
+    def stamp(self, prof, step: int):
+        """profile: step `step` ended now (its cycles since the last stamp are added; prof[7] holds that stamp)."""
+        if cutlass.const_expr(self.profile):
+            now = cute.arch.clock64()
+            if cutlass.const_expr(step >= 0):
+                prof[step] = prof[step] + (now - prof[7])
+            prof[7] = now
 
     @cute.jit
     def store_scaled_rows(self, ctid, L, src, mDst, t0, head, scale, sRow, is_q: bool):

@@ -25,6 +25,9 @@ from schedulers.device import TileScheduler
 C = 64        # chunk length (tokens)
 HALF = 64     # V columns owned by one consumer warpgroup
 NUM_STAGES = 2  # q/k/v ring depth for GDN (KDA: 1)
+# Row stride (floats) of the fp32 Akk / X buffer: 16-byte rows, so the blocked solve reads 4 floats per load
+# (272-byte rows also keep 8 consecutive rows' 16-byte loads on distinct banks).
+AKK_STRIDE = C + 4
 LOG2E = math.log2(math.e)
 # KDA: the anchored diagonal-block products use right factors up to 2^KDA_ANCHOR_LIMIT (log2 units, per 16 rows).
 # A chunk whose decay inside a 16-row block exceeds it takes the exact (slower) diagonal path instead.
@@ -183,7 +186,7 @@ class ChunkGatedDeltaRuleFwdSm90:
             sVnew: cute.struct.Align[cute.struct.MemRange[io, 2 * C * HALF], 1024]
             sVnewD: cute.struct.Align[cute.struct.MemRange[io, 64 if kda else 2 * C * HALF], 1024]  # GDN: decayed
             sS: cute.struct.Align[cute.struct.MemRange[io, 2 * 128 * HALF], 1024]
-            sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * (C + 1)], 16]   # A, then X^T above
+            sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * AKK_STRIDE], 16]   # A, then X^T above
             sY: cute.struct.Align[cute.struct.MemRange[Float32, 3 * 16 * 16], 16]   # blocked-solve products
             sG: cute.struct.MemRange[Float32, C]        # cumulative decay G_r (log2 units)
             sEG: cute.struct.MemRange[Float32, C]       # 2^G_r
@@ -287,7 +290,7 @@ class ChunkGatedDeltaRuleFwdSm90:
         sVnew_mn = self.view(st.sVnew, C, HALF, 2, True)  # (v, token, half)
         sS = self.view(st.sS, 128, HALF, 2)              # (k, v, half)
         sS_mn = self.view(st.sS, 128, HALF, 2, True)     # (v, k, half)
-        sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(C + 1, 1)))
+        sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
         sY = st.sY.get_tensor(cute.make_layout((3, 16, 16), stride=(256, 16, 1)))
         sG = st.sG.get_tensor(cute.make_layout(C))
         sEG = st.sEG.get_tensor(cute.make_layout(C))
@@ -867,7 +870,8 @@ class ChunkGatedDeltaRuleFwdSm90:
 
         Level 0: each diagonal block by right-looking substitution (64 threads, one column each).
         Level d = 1..3: off-diagonal blocks p = q + d: Y = sum_{k=q}^{p-1} A_pk X_kq, then X_pq = -X_pp Y
-        (one element per thread and block). X's strictly-lower part is written transposed into the unused
+        (64 threads per block, 4 rows of one column per thread, operands read as 16-byte vectors: the solve was
+        bound by shared-memory instructions, one scalar load per operand). X's strictly-lower part is written transposed into the unused
         upper triangle of the A buffer, so A stays readable throughout. Ends with Xv = X diag(beta) and (GDN)
         Xk = X diag(beta 2^G) in bf16. Spec (same steps, CPU-tested): cute_kernels/reference/blocked_solve.py.
         """
@@ -888,45 +892,84 @@ class ChunkGatedDeltaRuleFwdSm90:
                 if r > c:
                     sAkk[base + c, base + r] = x[r]
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        rr = ctid // 16
+        # Levels 1-3: the level's blocks (p, q) = (q + d, q), q < 4 - d, one per 64 threads (two warps); thread
+        # (g, cc) owns rows 4g .. 4g + 3 of column cc. Operands are read 4 floats at a time along the reduction
+        # (A's rows and X^T's rows are contiguous there); every sum keeps the order of 4 partial sums by s % 4.
+        blk = ctid // 64
         cc = ctid % 16
-        part = cute.make_rmem_tensor((4,), Float32)   # 4 independent partial sums per dot product
+        g = (ctid % 64) // 16
+        part = cute.make_rmem_tensor((4, 4), Float32)   # (row j, s % 4)
+        a4 = cute.make_rmem_tensor((4, 4), Float32)     # (row j, s % 4): A[16 p + 4 g + j, s0 .. s0 + 3]
+        x4 = cute.make_rmem_tensor((4,), Float32)
         for d in cutlass.range_constexpr(1, 4):
-            for q in cutlass.range_constexpr(4 - d):
+            if blk < 4 - d:
+                q = blk
                 p = q + d
                 part.fill(0.0)
-                # kb = q: the diagonal block X_qq (unit diagonal, zero above)
-                for s in cutlass.range_constexpr(16):
-                    xv = sAkk[16 * q + cc, 16 * q + s]
-                    xv = cutlass.select_(s < cc, Float32(0.0), xv)
-                    xv = cutlass.select_(s == cc, Float32(1.0), xv)
-                    part[s % 4] = part[s % 4] + sAkk[16 * p + rr, 16 * q + s] * xv
-                for kb in cutlass.range_constexpr(q + 1, p):
-                    for s in cutlass.range_constexpr(16):
-                        part[s % 4] = part[s % 4] + sAkk[16 * p + rr, 16 * kb + s] * sAkk[16 * q + cc, 16 * kb + s]
-                sY[q, rr, cc] = (part[0] + part[1]) + (part[2] + part[3])
+                # Y = A_pq X_qq + sum_{q < kb < p} A_p,kb X_kb,q; X_kb,q[s, cc] = X^T at [16 q + cc, 16 kb + s]
+                for m in cutlass.range_constexpr(d):
+                    kb = q + m
+                    for s0 in cutlass.range_constexpr(0, 16, 4):
+                        self.load4(sAkk, 16 * q + cc, 16 * kb + s0, x4)
+                        if cutlass.const_expr(m == 0):
+                            # X_qq: unit diagonal, 0 above it (the buffer holds A there)
+                            for e in cutlass.range_constexpr(4):
+                                x4[e] = cutlass.select_(s0 + e < cc, Float32(0.0), x4[e])
+                                x4[e] = cutlass.select_(s0 + e == cc, Float32(1.0), x4[e])
+                        for j in cutlass.range_constexpr(4):
+                            self.load4(sAkk, 16 * p + 4 * g + j, 16 * kb + s0, a4[j, None])
+                        for j in cutlass.range_constexpr(4):
+                            for e in cutlass.range_constexpr(4):
+                                part[j, e] = part[j, e] + a4[j, e] * x4[e]
+                for j in cutlass.range_constexpr(4):
+                    sY[q, 4 * g + j, cc] = (part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3])
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
-            for q in cutlass.range_constexpr(4 - d):
+            if blk < 4 - d:
+                q = blk
                 p = q + d
                 part.fill(0.0)
+                # X_pq = -(Y + X_pp^strict Y); X_pp[4 g + j, s] sits transposed at [16 p + s, 16 p + 4 g + j]
                 for s in cutlass.range_constexpr(16):
-                    xv = sAkk[16 * p + s, 16 * p + rr]
-                    xv = cutlass.select_(s >= rr, Float32(0.0), xv)
-                    part[s % 4] = part[s % 4] + xv * sY[q, s, cc]
-                sAkk[16 * q + cc, 16 * p + rr] = -sY[q, rr, cc] - ((part[0] + part[1]) + (part[2] + part[3]))
+                    self.load4(sAkk, 16 * p + s, 16 * p + 4 * g, x4)
+                    y = sY[q, s, cc]
+                    for j in cutlass.range_constexpr(4):
+                        xv = cutlass.select_(s >= 4 * g + j, Float32(0.0), x4[j])
+                        part[j, s % 4] = part[j, s % 4] + xv * y
+                for j in cutlass.range_constexpr(4):
+                    x4[j] = -sY[q, 4 * g + j, cc] - ((part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3]))
+                cute.autovec_copy(x4, self.tile4(sAkk, 16 * q + cc, 16 * p + 4 * g))
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        for e in cutlass.range(ctid, C * C, 256, unroll=4):
-            r = e // C
-            i = e % C
-            xv = sAkk[i, r]
-            if i > r:
-                xv = Float32(0.0)
-            if i == r:
-                xv = Float32(1.0)
-            xb = xv * sBeta[i]
-            sXv[r, i] = io(xb)
+        # Xv = X diag(beta), Xk = X diag(beta 2^G) in 16-bit: thread (r, i-group) writes 8 consecutive columns
+        # [i0, i0 + 8) of row r per pass (one 16-byte store each); X[r, i] (i < r) sits transposed at [i, r].
+        r = ctid % 64
+        xb = cute.make_rmem_tensor((8,), Float32)
+        fb = cute.make_rmem_tensor((8,), Float32)
+        yv = cute.make_rmem_tensor((8,), io)
+        yk = cute.make_rmem_tensor((8,), io)
+        for pss in cutlass.range_constexpr(2):
+            i0 = 8 * (ctid // 64) + 32 * pss
+            cute.autovec_copy(cute.local_tile(sBeta, (8,), (cute.assume(i0, divby=8) // 8,)), fb)
+            for e in cutlass.range_constexpr(8):
+                xv = sAkk[i0 + e, r]
+                xv = cutlass.select_(i0 + e > r, Float32(0.0), xv)
+                xv = cutlass.select_(i0 + e == r, Float32(1.0), xv)
+                xb[e] = xv * fb[e]
+                yv[e] = io(xb[e])
+            cute.autovec_copy(yv, cute.local_tile(sXv[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
             if cutlass.const_expr(not self.kda):
-                sXk[r, i] = io(xb * sEG[i])
+                cute.autovec_copy(cute.local_tile(sEG, (8,), (cute.assume(i0, divby=8) // 8,)), fb)
+                for e in cutlass.range_constexpr(8):
+                    yk[e] = io(xb[e] * fb[e])
+                cute.autovec_copy(yk, cute.local_tile(sXk[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
+
+    @cute.jit
+    def tile4(self, sA, row, col):
+        """sA[row, col : col + 4] of the fp32 Akk / X buffer (col a multiple of 4: one 16-byte vector)."""
+        return cute.local_tile(sA[row, None], (4,), (cute.assume(col, divby=4) // 4,))
+
+    @cute.jit
+    def load4(self, sA, row, col, dst):
+        cute.autovec_copy(self.tile4(sA, row, col), dst)
 
     @cute.jit
     def store_acc(self, wtid, tiled_mma, acc, dst):

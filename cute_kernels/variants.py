@@ -147,24 +147,6 @@ def _variants() -> list[Variant]:
             ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor"),
             archs=("sm_90a",),
         ))
-        if not kda:   # STATE_RAW_QK: phase 1 without qg / kg, the state pass gating q and k itself
-            out.append(Variant(
-                op, f"{tag}_chunk_prep_sm90_bfloat16_slim_raw_qk",
-                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=True, raw_qk=True,
-                                             dump_dir=d),
-                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4", ".minnctapersm 2"),
-                archs=("sm_90a",),
-            ))
-            for mode, init, final in (("forward", True, True), ("summary", False, False),
-                                      ("segment_outputs", True, True)):
-                out.append(Variant(
-                    op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode) + "_rs_raw_qk",
-                    lambda d, mode=mode, init=init, final=final: compile_state_pass(
-                        torch.bfloat16, False, init, final, mode=mode, dump_dir=d, rs=True, ring_decay=True,
-                        tma_o=False, raw_qk=True),
-                    ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor", "ex2.approx"),
-                    archs=("sm_90a",),
-                ))
         out.append(Variant(   # rs with o tiles leaving by TMA store (a switch, off by default)
             op, f"{tag}_state_pass_sm90_bfloat16_rs_tma_o",
             lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, True, True, dump_dir=d, rs=True,

@@ -8,7 +8,6 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py chain      # phase 2's cycles per chunk by phase (the profile build)
     python3 scripts/time_two_phase.py prep-profile   # GDN phase 1 (slim): its time and cycles per step
     python3 scripts/time_two_phase.py paths      # large B x H: fused vs two-phase (forced), GDN and KDA, FLA beside
-    python3 scripts/time_two_phase.py raw        # GDN with STATE_RAW_QK off / on: each phase and the op, FLA beside
 """
 
 import os
@@ -123,9 +122,9 @@ def time_chain():
                 plain = two_phase.compile_state_pass(torch.bfloat16, kda, False, False, rs=True,
                                                      ring_decay=td, tma_o=to, u_fast=uf).fn
                 o = torch.full_like(prep.u, float("nan"))
-                t_plain = graph_us(lambda: plain(*terms, o, dummy, dummy, *launch, prep.scale))
+                t_plain = graph_us(lambda: plain(*terms, o, dummy, dummy, *launch))
                 o = torch.full_like(prep.u, float("nan"))
-                plain(*terms, o, dummy, dummy, *launch, prep.scale)
+                plain(*terms, o, dummy, dummy, *launch)
                 outs.append(o)
                 line.append(f"{name} {t_plain:.1f} us ({t_plain / (-(-T // 64)):.2f}/chunk)")
             same = all(torch.equal(outs[0], y) for y in outs[1:]) and not outs[0].isnan().any()
@@ -139,9 +138,9 @@ def time_chain():
                                                   ring_decay=td, tma_o=to, u_fast=uf).fn
                 stamps = torch.zeros((1, 1, 128, 128), dtype=torch.float32, device="cuda")
                 o = torch.empty_like(prep.u)
-                t_prof = graph_us(lambda: fn(*terms, o, dummy, stamps, *launch, prep.scale))
+                t_prof = graph_us(lambda: fn(*terms, o, dummy, stamps, *launch))
                 stamps.zero_()
-                fn(*terms, o, dummy, stamps, *launch, prep.scale)
+                fn(*terms, o, dummy, stamps, *launch)
                 torch.cuda.synchronize()
                 p = stamps.flatten()[: 8 * grid].view(grid, 8).double()
                 chunks = p[:, 4].sum().item()
@@ -196,35 +195,6 @@ def time_prep_profile():
               flush=True)
 
 
-def time_raw():
-    """GDN with and without STATE_RAW_QK (phase 1 writes no qg / kg; the state pass gates q and k): phase 1, the
-    unsplit state pass (per chunk) and the whole op ("auto" segments), FLA in the same run; outputs compared."""
-    _, peer = ops.load_peer("gdn")
-    ours, _ = ops.load_ours("gdn")
-    la.TWO_PHASE = "1"
-    for B, H, T in [(1, 4, 16384), (1, 4, 4096), (2, 16, 8192), (8, 4, 16384), (1, 3, 1000)]:
-        x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
-        args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-        line, outs = [], []
-        for raw in (False, True):
-            two_phase.STATE_RAW_QK = raw
-            prep = two_phase.chunk_prep(*args, kda=False)
-            t1 = graph_us(lambda: two_phase.chunk_prep(*args, kda=False))
-            t2 = graph_us(lambda: two_phase.state_pass(prep, None, True))
-            o_state = two_phase.state_pass(prep, None, True)[0]
-            t_op = graph_us(lambda: ops.call_ours("gdn", ours, x))
-            outs.append((o_state, ops.call_ours("gdn", ours, x)[0]))
-            line.append(f"{'raw' if raw else 'qg/kg'}: prep {t1:.1f} state {t2:.1f} ({t2 / (-(-T // 64)):.2f}/chunk) "
-                        f"op {t_op:.1f} us")
-        two_phase.STATE_RAW_QK = False
-        tf = graph_us(lambda: peer(x))
-        err = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(outs[1], outs[0])]
-        nan = any(y.isnan().any().item() for y in outs[1])
-        print(f"gdn B={B} H={H} T={T}: " + " | ".join(line) + f" | FLA {tf:.1f} us | raw vs qg/kg rel diff "
-              f"state {err[0]:.2e} op {err[1]:.2e}, NaN {nan}", flush=True)
-    la.TWO_PHASE = "auto"
-
-
 def time_paths():
     """Large B x H: the fused forward against the two-phase path (both forced), GDN and KDA, FLA beside -- the
     cells where the cost models decide between them (PATH_CELLS=B,H,T;B,H,T overrides)."""
@@ -251,8 +221,6 @@ def time_paths():
 def main():
     if sys.argv[1:] == ["paths"]:
         return time_paths()
-    if sys.argv[1:] == ["raw"]:
-        return time_raw()
     if sys.argv[1:] == ["prep-profile"]:
         return time_prep_profile()
     if sys.argv[1:] == ["prep"]:

@@ -55,19 +55,14 @@ def test_state_pass_rejects_bad_terms():
         two_phase.state_pass(prep)
 
 
-# state-pass variants: (rs, ring stages, exp(G_last) in the ring, o tiles by TMA store, u at constant offsets,
-# raw q / k (GDN only: KDA runs its usual terms under it))
-STATE_VARIANTS = {"smem": (False, 2, False, False, False, False), "rs": (True, 2, True, False, False, False),
-                  "rs3": (True, 3, True, True, False, False), "rs-direct": (True, 2, False, False, False, False),
-                  "rs-tma-o": (True, 2, True, True, False, False), "rs-u-fast": (True, 2, True, False, True, False),
-                  "rs-raw": (True, 2, True, False, False, True)}
+# state-pass variants: (rs, ring stages, exp(G_last) in the ring, o tiles by TMA store, u at constant offsets)
+STATE_VARIANTS = {"smem": (False, 2, False, False, False), "rs": (True, 2, True, False, False),
+                  "rs3": (True, 3, True, True, False), "rs-direct": (True, 2, False, False, False),
+                  "rs-tma-o": (True, 2, True, True, False), "rs-u-fast": (True, 2, True, False, True)}
 
 
-def use_state_variant(monkeypatch, name, kda=False):
-    rs, stages, ring_decay, tma_o, u_fast, raw = STATE_VARIANTS[name]
-    if raw and kda:
-        pytest.skip("raw q / k terms are GDN's")
-    monkeypatch.setattr(two_phase, "STATE_RAW_QK", raw)
+def use_state_variant(monkeypatch, name):
+    rs, stages, ring_decay, tma_o, u_fast = STATE_VARIANTS[name]
     monkeypatch.setattr(two_phase, "STATE_PASS_RS", rs)
     monkeypatch.setattr(two_phase, "STATE_STAGES", stages)
     monkeypatch.setattr(two_phase, "STATE_RING_DECAY", ring_decay)
@@ -80,12 +75,12 @@ def use_state_variant(monkeypatch, name, kda=False):
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("B,T,H,with_init", [(1, 64, 1, False), (2, 1000, 3, True), (1, 4096, 4, True)])
 def test_state_pass_kernel_matches_reference(kda, B, T, H, with_init, variant, monkeypatch):
-    use_state_variant(monkeypatch, variant, kda)
+    use_state_variant(monkeypatch, variant)
     gen = torch.Generator().manual_seed(B * T + H + kda)
     q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
     init = init if with_init else None
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
-    prep = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=kda, raw=two_phase.raw_qk_on(kda))
+    prep = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=kda)
     runs = []
     for _ in range(2):
         out = (poisoned((B, T, H, 128), torch.bfloat16, "cuda"), poisoned((B, H, 128, 128), torch.float32, "cuda"))
@@ -105,30 +100,22 @@ def chunk_last_rows(T, B):
 
 
 @requires_sm90
-@pytest.mark.parametrize("kda,slim,raw", [(False, False, False), (False, True, False), (True, False, False),
-                                          (False, True, True)])
+@pytest.mark.parametrize("kda,slim", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("B,T,H", [(1, 64, 1), (2, 1000, 3), (1, 4096, 4)])
 @pytest.mark.parametrize("chunks_per_tile", [1, 2])
-def test_prep_kernel_matches_torch_prep(kda, slim, raw, B, T, H, chunks_per_tile, monkeypatch):
+def test_prep_kernel_matches_torch_prep(kda, slim, B, T, H, chunks_per_tile, monkeypatch):
     monkeypatch.setattr(two_phase, "PREP_SLIM", slim)
-    monkeypatch.setattr(two_phase, "STATE_RAW_QK", raw)
     monkeypatch.setattr(two_phase, "_POISON_PREP", True)
     gen = torch.Generator().manual_seed(100 + B * T + H + kda)
     q, k, v, g, beta, _ = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
-    want = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=kda, raw=raw)
+    want = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=kda)
     got = two_phase.chunk_prep(q, k, v, g, beta, kda=kda, chunks_per_tile=chunks_per_tile)
     again = two_phase.chunk_prep(q, k, v, g, beta, kda=kda, chunks_per_tile=chunks_per_tile)
-    assert got.raw == raw
-    if raw:   # no qg / kg; G (log2) at every row
-        assert got.qg is q and got.kg is k
-        assert not got.eg.isnan().any() and rel_err(got.eg, want.eg) <= 1e-5, rel_err(got.eg, want.eg)
-    for name in ("w", "u", "aqk") if raw else ("qg", "w", "u", "kg", "aqk"):
+    for name in ("qg", "w", "u", "kg", "aqk"):
         x, y = getattr(got, name), getattr(want, name)
         assert not x.isnan().any(), name
         assert rel_err(x, y) <= 1e-2, (name, rel_err(x, y))
         assert torch.equal(x, getattr(again, name)), f"{name}: run-to-run difference"
-    if raw:
-        return
     rows = chunk_last_rows(T, B).cuda()
     eg, eg_want = got.eg.flatten(0, 1)[rows], want.eg.flatten(0, 1)[rows]
     assert rel_err(eg, eg_want) <= 1e-5
@@ -140,7 +127,7 @@ def test_prep_kernel_matches_torch_prep(kda, slim, raw, B, T, H, chunks_per_tile
                                                (1, 4096, 4, False, 8), (1, 4096, 4, True, 32)])
 @pytest.mark.parametrize("variant", list(STATE_VARIANTS))
 def test_two_phase_matches_reference(kda, B, T, H, with_init, N, variant, monkeypatch):
-    use_state_variant(monkeypatch, variant, kda)
+    use_state_variant(monkeypatch, variant)
     monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
     monkeypatch.setattr(two_phase, "_POISON_PREP", True)
     gen = torch.Generator().manual_seed(200 + B * T + H + kda + N)
@@ -162,10 +149,10 @@ def test_two_phase_matches_reference(kda, B, T, H, with_init, N, variant, monkey
 class StatePassEmulator:
     """What one launch of ChunkStatePassSm90 does, tile by tile, in float64 (the kernel's contract)."""
 
-    def __init__(self, kda, has_initial_state, store_final_state, mode, raw=False):
-        self.kda, self.init, self.final, self.mode, self.raw = kda, has_initial_state, store_final_state, mode, raw
+    def __init__(self, kda, has_initial_state, store_final_state, mode):
+        self.kda, self.init, self.final, self.mode = kda, has_initial_state, store_final_state, mode
 
-    def fn(self, qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, grid, scale):
+    def fn(self, qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, grid):
         from schedulers import TILE_FIELDS
 
         qg, w, u, kg, aqk, eg, o = (x.flatten(0, 1) for x in (qg, w, u, kg, aqk, eg, o))
@@ -188,13 +175,10 @@ class StatePassEmulator:
                 L = c1 - c0
                 U = torch.zeros(L, 64).double() if is_m else u[c0:c1, h, cols].double()
                 v_new = U - w[c0:c1, h].double() @ S
-                Q, K, d = qg[c0:c1, h].double(), kg[c0:c1, h].double(), eg[c1 - 1, h].double()
-                if self.raw:   # q, k and G (log2) per row: the gates applied here
-                    G = eg[c0:c1, h].double()
-                    Q, K, d = scale * torch.exp2(G)[:, None] * Q, torch.exp2(G[-1] - G)[:, None] * K, torch.exp2(G[-1])
                 if self.mode != "summary":
-                    o[c0:c1, h, cols] = (Q @ S + aqk[c0:c1, h, :L].double() @ v_new).to(o.dtype)
-                S = (d[:, None] if self.kda else d) * S + K.T @ v_new
+                    o[c0:c1, h, cols] = (qg[c0:c1, h].double() @ S + aqk[c0:c1, h, :L].double() @ v_new).to(o.dtype)
+                d = eg[c1 - 1, h].double()
+                S = (d[:, None] if self.kda else d) * S + kg[c0:c1, h].double().T @ v_new
             if self.mode == "summary":
                 sN[t["seg_slot"] + (sN.shape[0] // 2 if is_m else 0), h, :, cols] = S.float()
             elif self.final and t["segment"] == t["num_segments"] - 1:
@@ -207,10 +191,9 @@ def emulated_state_pass(monkeypatch):
 
     calls = []
 
-    def fake_compile(io_dtype, kda, has_initial_state, store_final_state, mode="forward", dump_dir=None,
-                     raw_qk=False):
+    def fake_compile(io_dtype, kda, has_initial_state, store_final_state, mode="forward", dump_dir=None):
         calls.append(mode)
-        return StatePassEmulator(kda, has_initial_state, store_final_state, mode, raw_qk)
+        return StatePassEmulator(kda, has_initial_state, store_final_state, mode)
 
     def fake_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_only=False):
         # Slots the kernel never reads (first M without an initial state, last summaries) may hold the poison.
@@ -257,8 +240,8 @@ def test_segmented_state_pass_orchestration(emulated_state_pass, kda, num_segmen
 class PrepEmulator:
     """ChunkPrepSm90's contract on the CPU: chunk_prep_torch per sequence, written into the output tensors."""
 
-    def __init__(self, kda, cu, raw=False):
-        self.kda, self.cu, self.raw = kda, cu, raw
+    def __init__(self, kda, cu):
+        self.kda, self.cu = kda, cu
 
     def fn(self, q, k, v, g, beta, qg, w, u, kg, aqk, eg, tiles, num_tiles, grid, scale):
         B, T = q.shape[:2]
@@ -267,19 +250,17 @@ class PrepEmulator:
             if e == a:
                 continue
             sl = lambda x: x[b:b + 1, a:e]   # noqa: E731
-            p = two_phase.chunk_prep_torch(sl(q), sl(k), sl(v), sl(g), sl(beta), scale, kda=self.kda, raw=self.raw)
-            names = ("w", "u", "aqk", "eg") if self.raw else ("qg", "w", "u", "kg", "aqk", "eg")   # raw: no qg / kg
-            for name in names:
-                dst = {"qg": qg, "w": w, "u": u, "kg": kg, "aqk": aqk, "eg": eg}[name]
+            p = two_phase.chunk_prep_torch(sl(q), sl(k), sl(v), sl(g), sl(beta), scale, kda=self.kda)
+            for name, dst in (("qg", qg), ("w", w), ("u", u), ("kg", kg), ("aqk", aqk), ("eg", eg)):
                 dst[b:b + 1, a:e] = getattr(p, name)
 
 
-@pytest.mark.parametrize("kda,raw", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("segments", [None, 4])
-def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, raw, varlen, segments):
+def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segments):
     """chunk_gated_delta_rule / chunk_kda with CUTE_KERNELS_TWO_PHASE on: phase 1 + the (segmented) state pass
-    wired from the op, checked on the CPU with both kernels emulated; `raw`: STATE_RAW_QK (no qg / kg terms)."""
+    wired from the op, checked on the CPU with both kernels emulated."""
     import cute_kernels.ops.linear_attention as la
     import cute_kernels.runtime.arch as arch
     from schedulers import SegmentScheduler
@@ -290,9 +271,7 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, raw, varlen,
     monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
     la._two_phase_plans.clear()
     cu = (0, 100, 100, 1000, 1300) if varlen else None
-    monkeypatch.setattr(two_phase, "STATE_RAW_QK", raw)
-    monkeypatch.setattr(two_phase, "compile_chunk_prep",
-                        lambda io, bt, kda, **kw: PrepEmulator(kda, cu, kw.get("raw_qk", False)))
+    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, cu))
     gen = torch.Generator().manual_seed(11 + kda + 2 * varlen)
     B, T = (1, 1300) if varlen else (2, 700)
     q, k, v, g, beta, _ = make(B, T, 2, kda, gen, dtype=torch.bfloat16)
@@ -460,7 +439,7 @@ def test_prep_workspace_is_kept_per_stream_and_only_for_the_op(monkeypatch):
     monkeypatch.setattr(two_phase, "_workspaces", {})
     monkeypatch.setattr(two_phase, "_workspace_bytes", 0)
     plan = two_phase.PrepPlan.__new__(two_phase.PrepPlan)
-    plan.shape, plan.kda, plan.device, plan.raw = (1, 128, 2), False, torch.device("cpu"), False
+    plan.shape, plan.kda, plan.device = (1, 128, 2), False, torch.device("cpu")
     plan.term_bytes = 1 << 20
     a, b = plan.terms(torch.bfloat16), plan.terms(torch.bfloat16)
     assert a is b and a.w.shape == (1, 128, 2, 128) and a.eg.shape == (1, 128, 2)

@@ -377,16 +377,15 @@ def _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, 
     g32 = g if g.dtype == torch.float32 else g.float()
     prep = two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device).run(q, k, v, g32, beta, scale,
                                                                                    reuse=True)
-    plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, initial_state is not None, final is not None, n, device,
-                                prep.raw)
+    plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, initial_state is not None, final is not None, n, device)
     plan.run(prep, initial_state, o, final)
 
 
 def _two_phase_plans_ready(q, beta, B, T, H, cu, kda, init, store_final, n, device):
     """Build (once; cached) the two-phase plans `_two_phase_forward` would use for this call, without running."""
     two_phase = _two_phase_module()
-    prep = two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device)
-    two_phase.state_plan(B, T, H, cu, kda, q.dtype, init, store_final, n, device, prep.raw)
+    two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device)
+    two_phase.state_plan(B, T, H, cu, kda, q.dtype, init, store_final, n, device)
 
 
 # KDA's per-element passes in 16-byte vectors (`vec_elementwise`) and its gates prefetched one chunk ahead (g by

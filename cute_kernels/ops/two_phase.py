@@ -11,7 +11,6 @@ and time phase 2 on its own.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -30,9 +29,6 @@ class PrepTerms:
     chunk's Aqk (zero above the diagonal and past the chunk end); eg (fp32) = exp(G) per token ([B, T, H] GDN,
     [B, T, H, K] KDA). G: the cumulative log decay inside the chunk, T = (I + Akk)^-1 diag(beta): the chunked form
     of `cute_kernels.reference.chunk_gated_delta_rule_ref`.
-
-    `raw` (GDN, `STATE_RAW_QK`): qg and kg are the op's q and k themselves and eg holds G in log2 units at every
-    row; the state pass applies scale 2^G and 2^(G_last - G) itself (`scale` is q's scale).
     """
 
     qg: torch.Tensor
@@ -42,14 +38,11 @@ class PrepTerms:
     aqk: torch.Tensor
     eg: torch.Tensor
     kda: bool
-    raw: bool = False
-    scale: float = 1.0
 
 
-def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step: int = 32,
-                     raw: bool = False) -> PrepTerms:
+def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step: int = 32) -> PrepTerms:
     """Phase 1 in torch, fp32 (fixed-length [B, T, H, D] inputs, K = 128). Chunks are processed `chunks_per_step`
-    (x B x H) at a time to bound the [64, 64, K] pairwise decays of KDA. `raw` (GDN): the `PrepTerms.raw` form."""
+    (x B x H) at a time to bound the [64, 64, K] pairwise decays of KDA."""
     from ..reference.linear_attention import _chunk_terms
 
     B, T, H, K = k.shape
@@ -81,8 +74,6 @@ def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step
             aqk = scale * (qs @ ks.transpose(-1, -2)) * t.decay
         parts = {"qg": scale * t.eG * qs, "w": t.w, "u": t.u, "kg": t.kg, "aqk": aqk,
                  "eg": t.eG if kda else t.eG[..., 0]}
-        if raw:   # G in log2 units, cumulative inside the chunk (rows past the end add 0)
-            parts["eg"] = torch.cumsum(gs, dim=-1) * math.log2(math.e)
         for name, x in parts.items():
             out[name].append(x.reshape(B, n, *x.shape[1:]))
 
@@ -92,11 +83,6 @@ def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step
         return x.to(dtype).contiguous()
 
     io = q.dtype
-    if raw:
-        if kda:
-            raise ValueError("chunk_prep_torch: raw terms are GDN's (kda=False)")
-        return PrepTerms(q.contiguous(), tokens(out["w"], io), tokens(out["u"], io), k.contiguous(),
-                         tokens(out["aqk"], io), tokens(out["eg"], torch.float32), kda, raw=True, scale=scale)
     return PrepTerms(tokens(out["qg"], io), tokens(out["w"], io), tokens(out["u"], io), tokens(out["kg"], io),
                      tokens(out["aqk"], io), tokens(out["eg"], torch.float32), kda)
 
@@ -118,7 +104,7 @@ def prep_chunks_per_tile(problem, kda: bool, slots: int) -> int:
 
 def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool, vec: bool | None = None,
                        prefetch: bool | None = None, slim: bool | None = None, dump_dir=None,
-                       profile: bool = False, raw_qk: bool | None = None):
+                       profile: bool = False):
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
     to the fused kernel's switches (KDA_VEC, KDA_PREFETCH); GDN's `slim` to PREP_SLIM."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
@@ -127,8 +113,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     vec = kda and (la.KDA_VEC if vec is None else vec)
     prefetch = kda and (la.KDA_PREFETCH if prefetch is None else prefetch)
     slim = not kda and (PREP_SLIM if slim is None else slim)
-    raw_qk = raw_qk_on(kda) if raw_qk is None else raw_qk
-    key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, raw_qk)
+    key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -140,7 +125,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
 
         io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
         kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch, slim=slim,
-                               profile=profile, raw_qk=raw_qk)
+                               profile=profile)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN), align=4)   # noqa: E731
         args = (
@@ -207,8 +192,7 @@ _plans: dict = {}
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM and the STATE_* switches
     of the state pass)."""
-    full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
-            STATE_RAW_QK)
+    full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST)
     plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:
@@ -233,21 +217,16 @@ class PrepPlan:
         self.chunks_per_tile = chunks_per_tile
         seg = Segmentation([split_even(c, max(1, -(-c // chunks_per_tile))) for c in problem.chunks])
         schedule = schedule_from_segmentation(problem, seg, "prep")
-        self.raw = raw_qk_on(kda)
-        self.fn = compile_chunk_prep(io, beta_dtype, kda, raw_qk=self.raw).fn if T else None
+        self.fn = compile_chunk_prep(io, beta_dtype, kda).fn if T else None
         self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
-        wide = 2 if self.raw else 4
-        self.term_bytes = B * T * H * (wide * 128 * io.itemsize + C * io.itemsize + (128 if kda else 1) * 4)
+        self.term_bytes = B * T * H * (4 * 128 * io.itemsize + C * io.itemsize + (128 if kda else 1) * 4)
 
     def allocate(self, dtype) -> PrepTerms:
         """Fresh (uninitialized) terms for one call."""
         B, T, H = self.shape
+        wide = torch.empty((4, B, T, H, 128), dtype=dtype, device=self.device)   # qg, w, u, kg: one allocation
         aqk = torch.empty((B, T, H, C), dtype=dtype, device=self.device)
         eg = torch.empty((B, T, H, 128) if self.kda else (B, T, H), dtype=torch.float32, device=self.device)
-        if self.raw:   # w, u (qg and kg: the call's q and k, set by `run`)
-            w, u = torch.empty((2, B, T, H, 128), dtype=dtype, device=self.device).unbind(0)
-            return PrepTerms(w, w, u, u, aqk, eg, self.kda, raw=True)
-        wide = torch.empty((4, B, T, H, 128), dtype=dtype, device=self.device)   # qg, w, u, kg: one allocation
         return PrepTerms(*wide.unbind(0), aqk, eg, self.kda)
 
     def terms(self, dtype) -> PrepTerms:
@@ -272,12 +251,10 @@ class PrepPlan:
         """Phase 1 into fresh terms, or (`reuse`: the op's own calls, whose terms die with the call) into
         `terms`'s workspace."""
         t = self.terms(q.dtype) if reuse else self.allocate(q.dtype)
-        if self.raw:   # a fresh record per call: a kept workspace must not hold the call's q and k
-            t = PrepTerms(q, t.w, t.u, k, t.aqk, t.eg, self.kda, raw=True, scale=scale)
         if _POISON_PREP:   # tests: every element the state pass reads must have been written
-            for x in ((t.w, t.u, t.aqk, t.eg) if self.raw else (t.qg, t.w, t.u, t.kg, t.aqk, t.eg)):
+            for x in (t.qg, t.w, t.u, t.kg, t.aqk, t.eg):
                 x.fill_(float("nan"))
-        if self.fn is not None:   # raw: the kernel writes no qg / kg (q and k stand in for them, unwritten)
+        if self.fn is not None:
             self.fn(q, k, v, g32, beta, t.qg, t.w, t.u, t.kg, t.aqk, t.eg, *self.launch, scale)
         return t
 
@@ -319,20 +296,12 @@ STATE_O_TMA = os.environ.get("CUTE_KERNELS_STATE_O_TMA", "0") == "1"
 # partial chunk (`u_fast`); in the SASS of the default build ~80 of the ~245 instructions per thread of the v_new
 # step (~380 cycles of the chain) are per-load swizzle arithmetic. Compile-checked, not yet run on a GPU: off.
 STATE_U_FAST = os.environ.get("CUTE_KERNELS_STATE_U_FAST", "0") == "1"
-# GDN, rs with ring_decay: phase 1 writes no qg / kg (32 of its ~120 KB per chunk) and eg = G (log2) at every row;
-# the state pass reads q and k and applies the gates itself (`ChunkStatePassSm90(raw_qk=True)`, `PrepTerms.raw`).
-STATE_RAW_QK = os.environ.get("CUTE_KERNELS_STATE_RAW_QK", "0") == "1"
-
-
-def raw_qk_on(kda: bool) -> bool:
-    """Whether phase 1 makes `PrepTerms.raw` terms under the current switches (GDN, rs state pass, ring_decay)."""
-    return STATE_RAW_QK and not kda and STATE_PASS_RS and STATE_RING_DECAY
 
 
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                        mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None,
                        profile: bool = False, ring_decay: bool | None = None, tma_o: bool | None = None,
-                       u_fast: bool | None = None, raw_qk: bool = False):
+                       u_fast: bool | None = None):
     """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `rs` defaults to
     STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs). `profile`: the diagnostic build whose
     final_state argument receives per-CTA phase cycles (`ChunkStatePassSm90` docstring)."""
@@ -344,7 +313,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     u_fast = (STATE_U_FAST and rs) if u_fast is None else u_fast
     tma_o = (STATE_O_TMA and rs) if tma_o is None else tma_o
     key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
-           profile, ring_decay, tma_o, u_fast, raw_qk)
+           profile, ring_decay, tma_o, u_fast)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -357,7 +326,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
         io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
                                     num_stages=num_stages, profile=profile, ring_decay=ring_decay, tma_o=tma_o,
-                                    u_fast=u_fast, raw_qk=raw_qk)
+                                    u_fast=u_fast)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg
@@ -369,7 +338,6 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
             fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
             cutlass.Int32(1),
             cutlass.Int32(1),
-            f32(1.0),                                            # scale (raw_qk)
             fake_stream(),
         )
         return kernel, args
@@ -446,7 +414,7 @@ def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = F
     if max(counts, default=1) > 1 and V != 128:
         raise ValueError(f"the segmented state pass needs V = 128 (summaries are [128, 128]), got V={V}")
     plan = state_plan(B, T, H, cu, prep.kda, prep.u.dtype, initial_state is not None, final is not None,
-                      num_segments, device, prep.raw)
+                      num_segments, device)
     return plan.run(prep, initial_state, o, final)
 
 
@@ -455,7 +423,7 @@ class StatePlan:
     compiled kernels (forward, or summary + segment outputs), the tile tables on the device. `run` launches them
     (no checks: the caller has validated its tensors)."""
 
-    def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device, raw=False):
+    def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device):
         from . import merge
 
         schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device)
@@ -464,35 +432,34 @@ class StatePlan:
         # an fp32 [1, 1, K, V] stand-in for a state the kernel neither reads nor writes (made here, not per call)
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
         if not self.split:
-            self.fn = compile_state_pass(io, kda, init, final, raw_qk=raw)
+            self.fn = compile_state_pass(io, kda, init, final)
             return
         self.slots = schedule.segmentation.total_segments
         self.merge = merge.affine_merge_starts_plan(len(schedule.seg_offsets) - 1, H, self.slots,
                                                     schedule.seg_offsets, init, device)
-        self.summary_fn = (compile_state_pass(io, kda, False, False, mode="summary", raw_qk=raw)
-                           if summ.num_tiles else None)
+        self.summary_fn = compile_state_pass(io, kda, False, False, mode="summary") if summ.num_tiles else None
         self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0])
-        self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs", raw_qk=raw)
+        self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs")
 
     def run(self, prep: PrepTerms, initial_state, o, final):
         dummy = final if final is not None else self.dummy
         terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
         if not self.split:
-            self.fn.fn(*terms, o, initial_state if self.init else dummy, dummy, *self.launch, prep.scale)
+            self.fn.fn(*terms, o, initial_state if self.init else dummy, dummy, *self.launch)
             return o, final
         H = prep.w.shape[2]
         summary = torch.empty((2 * self.slots, H, 128, 128), dtype=torch.float32, device=self.device)
         if _POISON_SUMMARIES:   # unwritten slots must stay unread
             summary.fill_(float("nan"))
         if self.summary_fn is not None:
-            self.summary_fn.fn(*terms, prep.u, summary, summary, *self.summary_launch, prep.scale)
+            self.summary_fn.fn(*terms, prep.u, summary, summary, *self.summary_launch)
         starts = self.merge(summary[self.slots:], summary[:self.slots], initial_state)
-        self.fn.fn(*terms, o, starts, dummy, *self.launch, prep.scale)
+        self.fn.fn(*terms, o, starts, dummy, *self.launch)
         return o, final
 
 
-def state_plan(B, T, H, cu, kda, io, init, final, num_segments, device, raw=False) -> StatePlan:
-    return _cached_plan(StatePlan, B, T, H, cu, kda, io, init, final, num_segments, device, raw)
+def state_plan(B, T, H, cu, kda, io, init, final, num_segments, device) -> StatePlan:
+    return _cached_plan(StatePlan, B, T, H, cu, kda, io, init, final, num_segments, device)
 
 
 def state_pass_torch(prep: PrepTerms, initial_state=None):
@@ -508,14 +475,9 @@ def state_pass_torch(prep: PrepTerms, initial_state=None):
         L = t1 - t0
         w, u, qg, kg = f(prep.w, t0, t1), f(prep.u, t0, t1), f(prep.qg, t0, t1), f(prep.kg, t0, t1)
         aqk = f(prep.aqk, t0, t1)[..., :L]
-        decay = prep.eg[:, t1 - 1].float()   # [B, H] or [B, H, K]
-        if prep.raw:   # qg, kg are q, k; eg is G (log2)
-            G = prep.eg[:, t0:t1].float().transpose(1, 2)   # [B, H, L]
-            qg = prep.scale * torch.exp2(G)[..., None] * qg
-            kg = torch.exp2(G[..., -1:] - G)[..., None] * kg
-            decay = torch.exp2(G[..., -1])
         v_new = u - w @ S
         o[:, t0:t1] = (qg @ S + aqk @ v_new).transpose(1, 2)
+        decay = prep.eg[:, t1 - 1].float()   # [B, H] or [B, H, K]
         S = (decay[..., None] if prep.kda else decay[..., None, None]) * S + kg.transpose(-1, -2) @ v_new
     return o, S
 

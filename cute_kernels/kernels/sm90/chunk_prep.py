@@ -42,14 +42,12 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     products, (6) global stores + release -- and writes them, its chunk count (7) and the CTA's whole time (8) as
     floats to eg's first elements, 16 per CTA (`PROFILE_FIELDS`).
 
-    `raw_qk` (GDN): no qg / kg (the state pass applies the gates to q and k itself, `ChunkStatePassSm90(raw_qk=)`);
-    eg gets G (log2 units, cumulative inside the chunk) at every row instead of exp(G_last) at the last.
     """
 
     PROFILE_FIELDS = 16
 
     def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
-                 prefetch_gates: bool = False, slim: bool = False, profile: bool = False, raw_qk: bool = False):
+                 prefetch_gates: bool = False, slim: bool = False, profile: bool = False):
         super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
                          vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
         if slim and kda:
@@ -60,9 +58,6 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             self.num_threads = 288
         self.ctas_per_sm = 2 if slim else 1
         self.profile = profile
-        if raw_qk and kda:
-            raise ValueError("ChunkPrepSm90: raw_qk is GDN only (KDA's gates are per channel)")
-        self.raw_qk = raw_qk
 
     @cute.jit
     def __call__(
@@ -299,7 +294,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                     cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
                 self.stamp(prof, 2)
-                if cutlass.const_expr(self.slim and not self.raw_qk):
+                if cutlass.const_expr(self.slim):
                     # qg and kg leave now: step 3 overwrites the k tile with w
                     self.store_scaled_rows(ctid, L, sQ[None, None, stage], mQg, t0, head, scale, sEG, True)
                     self.store_scaled_rows(ctid, L, sK[None, None, stage], mKg, t0, head, scale, sEGL, False)
@@ -329,14 +324,11 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 self.store_rows(wtid, sU_j, mU, t0, head, v0, L)
                 if j == 0:
                     self.store_rows(wtid, sAqk, mA, t0, head, 0, L)
-                if cutlass.const_expr(not self.slim and not self.raw_qk):
+                if cutlass.const_expr(not self.slim):
                     self.store_scaled_rows(ctid, L, sQ[None, None, stage], mQg, t0, head, scale, sEG, True)
                     self.store_scaled_rows(ctid, L, sK[None, None, stage], mKg, t0, head, scale, sEGL, False)
                 if cutlass.const_expr(self.profile):
                     n_chunks = n_chunks + 1
-                elif cutlass.const_expr(self.raw_qk):
-                    if ctid < L:
-                        mEg[t0 + ctid, head] = sG[ctid]
                 elif cutlass.const_expr(kda):
                     if ctid < 128:
                         mEg[t0 + L - 1, head, ctid] = cute.math.exp2(sGL[ctid], fastmath=True)

@@ -61,12 +61,6 @@ class ChunkStatePassSm90:
     instead of 32 scattered 2-byte global stores per thread; a tile's partial last chunk keeps the direct stores
     (a TMA box would write the next sequence's rows).
 
-    `raw_qk` (GDN, rs with ring_decay): the q and k tiles are phase 1's inputs themselves, not qg and kg, and eg
-    holds G (log2 units, cumulative inside the chunk) at every row: the producer warp turns a chunk's G into its
-    stage slot's factors (scale 2^G_r, 2^(G_last - G_r) (0 past the chunk end), 2^G_last); the consumer scales o's
-    inter-chunk part q S by the first (per token column of o^T) and forms a second 16-bit copy of v_new^T scaled by
-    the second for the state update. Phase 1 then writes 32 KB less per chunk.
-
     `u_fast` (rs): v_new = u - S w reads u through four per-thread base offsets into the (unswizzled) u tile
     and 8 constant row-block steps (`u_tile_offset`) -- one LDS with an immediate offset per element instead of
     the swizzle arithmetic on every address -- and masks rows only in a partial chunk.
@@ -87,7 +81,7 @@ class ChunkStatePassSm90:
 
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                  mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False,
-                 ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False, raw_qk: bool = False):
+                 ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False):
         if mode not in ("forward", "segment_outputs", "summary"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
@@ -107,11 +101,6 @@ class ChunkStatePassSm90:
         if (ring_decay or tma_o or u_fast) and not rs:
             raise ValueError("ring_decay / tma_o / u_fast are rs-consumer options (rs=True)")
         self.u_fast = u_fast
-        if raw_qk and (kda or not rs or not ring_decay):
-            raise ValueError("raw_qk is GDN's (kda=False) with rs=True and ring_decay=True")
-        self.raw_qk = raw_qk
-        # ring_decay: floats per stage of the decay slot (KDA: 128 decays; GDN: 1, raw_qk: 64 + 64 + 1)
-        self.eg_slot = 2 * K_DIM if raw_qk else K_DIM
         self.ring_decay = ring_decay
         self.tma_o = tma_o and mode != "summary"
         self.num_threads = 256
@@ -135,7 +124,6 @@ class ChunkStatePassSm90:
         tiles: cute.Tensor,          # [num_tiles, NUM_TILE_FIELDS] int32
         num_tiles: Int32,
         grid_x: Int32,
-        scale: Float32,              # raw_qk: q's scale (else unused)
         stream,
     ):
         io = self.io_dtype
@@ -176,7 +164,7 @@ class ChunkStatePassSm90:
         s_elems = 8 if self.rs else K_DIM * V_BLOCK
         t_elems = 8 if self.rs else C * V_BLOCK
         o_elems = 2 * C * V_BLOCK if self.tma_o else t_elems   # tma_o: two o tiles (chunk parity)
-        eg_elems = self.eg_slot * stages if self.ring_decay else 8
+        eg_elems = K_DIM * stages if self.ring_decay else 8
 
         @cute.struct
         class SharedStorage:
@@ -196,7 +184,7 @@ class ChunkStatePassSm90:
         self.smem_bytes = self.shared_storage.size_in_bytes()
         assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB of an SM90 CTA"
         self.kernel(tma_qg, tma_qg_t, tma_w, tma_w_t, tma_kg, tma_kg_t, tma_u, tma_u_t, tma_a, tma_a_t,
-                    tma_os, tma_os_t, eg, o, initial_state, final_state, tiles, num_tiles, scale).launch(
+                    tma_os, tma_os_t, eg, o, initial_state, final_state, tiles, num_tiles).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
         )
 
@@ -210,7 +198,7 @@ class ChunkStatePassSm90:
         tma_a: cute.CopyAtom, mA: cute.Tensor,
         tma_os: cute.CopyAtom, mOT: cute.Tensor,
         mEg: cute.Tensor, mO: cute.Tensor, mS0: cute.Tensor, mSN: cute.Tensor,
-        mTiles: cute.Tensor, num_tiles: Int32, scale: Float32,
+        mTiles: cute.Tensor, num_tiles: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -247,8 +235,8 @@ class ChunkStatePassSm90:
                          (tma_u, mU, sU, V_BLOCK, True))
                 if cutlass.const_expr(self.outputs):
                     loads = loads + ((tma_qg, mQg, sQg, K_DIM, False), (tma_a, mA, sA, C, False))
-                sEg = st.sEg.get_tensor(cute.make_layout((self.eg_slot, ns), stride=(1, self.eg_slot)))
-                self.producer(sched, load, loads, mU.shape[1] // V_BLOCK, mEg, sEg, tidx % 32, scale)
+                sEg = st.sEg.get_tensor(cute.make_layout((K_DIM, ns), stride=(1, K_DIM)))
+                self.producer(sched, load, loads, mU.shape[1] // V_BLOCK, mEg, sEg, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(232)
             if cutlass.const_expr(self.rs):
@@ -258,7 +246,7 @@ class ChunkStatePassSm90:
                 self.consumer(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
 
     @cute.jit
-    def producer(self, sched, load, loads, n_vb, mEg, sEg, lane, scale):
+    def producer(self, sched, load, loads, n_vb, mEg, sEg, lane):
         """One chunk per ring stage: the five tiles of `loads` ((atom, tensor, smem, columns, by_block): the column
         tile is the work tile's V block where `by_block` (u), else 0; `n_vb`: the number of V blocks), and with
         `ring_decay` the chunk's exp(G_last) (from `mEg` into the stage's column of `sEg`, by the warp's lanes)."""
@@ -272,28 +260,7 @@ class ChunkStatePassSm90:
                 if blk >= n_vb:
                     blk = Int32(0)   # M columns: u is not used (any in-bounds tile keeps the byte count)
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
-                if cutlass.const_expr(self.raw_qk):
-                    # G of rows lane, lane + 32 and of the last row into registers, the factors into the free
-                    # stage's slot: [0, 64) scale 2^G_r, [64, 128) 2^(G_last - G_r) (0 past the end), [128] 2^G_last
-                    t0, L = chunk_rows(tok0, work.tok_end, c)
-                    gr = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                    for j in cutlass.range_constexpr(2):
-                        gr[j] = Float32(0.0)
-                        if lane + 32 * j < L:
-                            gr[j] = mEg[t0 + lane + 32 * j, head]
-                    gl = Float32(mEg[t0 + L - 1, head])
-                    load.sync_object_empty.wait(state.index, state.phase)
-                    for j in cutlass.range_constexpr(2):
-                        r = lane + 32 * j
-                        sEg[r, state.index] = cutlass.select_(
-                            r < L, scale * cute.math.exp2(gr[j], fastmath=True), Float32(0.0))
-                        sEg[C + r, state.index] = cutlass.select_(
-                            r < L, cute.math.exp2(gl - gr[j], fastmath=True), Float32(0.0))
-                    if lane == 0:
-                        sEg[2 * C, state.index] = cute.math.exp2(gl, fastmath=True)
-                    cute.arch.sync_warp()
-                    load.sync_object_full.arrive(state.index, load.producer_mask)
-                elif cutlass.const_expr(self.ring_decay):
+                if cutlass.const_expr(self.ring_decay):
                     # exp(G_last) into registers first (its latency under the wait for a free stage), into the
                     # stage once it is free, then the arrive that publishes it with the TMA bytes
                     t0, L = chunk_rows(tok0, work.tok_end, c)
@@ -468,7 +435,7 @@ class ChunkStatePassSm90:
         row of S^T (a V column of the block), n a channel (S^T) or a token (v_new^T, o^T)."""
         io = self.io_dtype
         sDecay, cc_s, cc_t, acc_s, acc_v, acc_o = self.rs_fragments(wtid, st)
-        sEg = st.sEg.get_tensor(cute.make_layout((self.eg_slot, self.num_stages), stride=(1, self.eg_slot)))
+        sEg = st.sEg.get_tensor(cute.make_layout((K_DIM, self.num_stages), stride=(1, K_DIM)))
         sO = wt.smem_view(st.sO, io, C, V_BLOCK, 2)   # tma_o: (token, v, buffer), the TMA store's source
         o_tiles = Int32(0)   # tma_o: o tiles stored through smem so far (their parity picks the buffer)
         uflat = cute.make_tensor(st.sU.data_ptr(), cute.make_layout(C * V_BLOCK * self.num_stages))   # u_fast
@@ -506,9 +473,7 @@ class ChunkStatePassSm90:
                         dg = Float32(mEg[t0 + L - 1, head])
                 load.consumer_wait(state)
                 stage = state.index
-                if cutlass.const_expr(self.raw_qk):
-                    dg = sEg[2 * C, stage]
-                elif cutlass.const_expr(self.ring_decay and not self.kda):
+                if cutlass.const_expr(self.ring_decay and not self.kda):
                     dg = sEg[0, stage]
                 tb = cutlass.Int64(0)
                 if cutlass.const_expr(self.profile):
@@ -527,19 +492,6 @@ class ChunkStatePassSm90:
                 else:
                     self.sub_u(acc_v, cc_t, sU, stage, is_m, L, True)
                 rV = wt.acc_to_a(io, acc_v)
-                rVk = rV
-                if cutlass.const_expr(self.raw_qk):
-                    # o's inter-chunk part q S times scale 2^G per token; v_new^T's copy for the update times
-                    # 2^(G_last - G) per token (kg = 2^(G_last - G) k, applied on this side of the product)
-                    if cutlass.const_expr(self.outputs):
-                        for i in cutlass.range_constexpr(cute.size(acc_o)):
-                            _, n = cc_t[i]
-                            acc_o[i] = acc_o[i] * sEg[n, stage]
-                    acc_k = cute.make_rmem_tensor_like(acc_v)
-                    for i in cutlass.range_constexpr(cute.size(acc_v)):
-                        _, n = cc_t[i]
-                        acc_k[i] = acc_v[i] * sEg[C + n, stage]
-                    rVk = wt.acc_to_a(io, acc_k)
                 tc2 = cutlass.Int64(0)
                 if cutlass.const_expr(self.profile):
                     tc2 = cute.arch.clock64()
@@ -555,7 +507,7 @@ class ChunkStatePassSm90:
                         acc_s[i] = acc_s[i] * sDecay[kk, buf]
                     else:
                         acc_s[i] = acc_s[i] * dg
-                wt.gemm_rs(io, wtid, acc_s, rVk, sKg_mn[None, None, stage], True, True, K_DIM, wait=False)
+                wt.gemm_rs(io, wtid, acc_s, rV, sKg_mn[None, None, stage], True, True, K_DIM, wait=False)
                 if cutlass.const_expr(self.outputs):
                     # o^T is done one group before the state update: store it while the update runs
                     warpgroup.wait_group(1)

@@ -41,7 +41,6 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     every chunk -- (0) gates, (1) the q/k/v wait, (2) Akk/Aqk, (3) qg/kg stores (slim), (4) solve, (5) w/u
     products, (6) global stores + release -- and writes them, its chunk count (7) and the CTA's whole time (8) as
     floats to eg's first elements, 16 per CTA (`PROFILE_FIELDS`).
-
     """
 
     PROFILE_FIELDS = 16

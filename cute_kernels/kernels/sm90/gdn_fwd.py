@@ -870,10 +870,11 @@ class ChunkGatedDeltaRuleFwdSm90:
 
         Level 0: each diagonal block by right-looking substitution (64 threads, one column each).
         Level d = 1..3: off-diagonal blocks p = q + d: Y = sum_{k=q}^{p-1} A_pk X_kq, then X_pq = -X_pp Y
-        (64 threads per block, 4 rows of one column per thread, operands read as 16-byte vectors: the solve was
-        bound by shared-memory instructions, one scalar load per operand). X's strictly-lower part is written transposed into the unused
-        upper triangle of the A buffer, so A stays readable throughout. Ends with Xv = X diag(beta) and (GDN)
-        Xk = X diag(beta 2^G) in bf16. Spec (same steps, CPU-tested): cute_kernels/reference/blocked_solve.py.
+        (64 threads per block, 4 rows of one column per thread, operands read as 16-byte vectors: with one scalar
+        load per operand the solve was bound by shared-memory instructions). X's strictly-lower part is written
+        transposed into the unused upper triangle of the A buffer, so A stays readable throughout. Ends with
+        Xv = X diag(beta) and (GDN) Xk = X diag(beta 2^G) in bf16, 16-byte stores. Spec (same steps, CPU-tested):
+        cute_kernels/reference/blocked_solve.py.
         """
         io = self.io_dtype
         if ctid < C:

@@ -135,11 +135,21 @@ def _variants() -> list[Variant]:
                     op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode)
                     + ("_rs" if rs else ""),
                     lambda d, kda=kda, mode=mode, init=init, final=final, rs=rs: compile_state_pass(
-                        torch.bfloat16, kda, init, final, mode=mode, dump_dir=d, rs=rs, ring_decay=rs, tma_o=False),
+                        torch.bfloat16, kda, init, final, mode=mode, dump_dir=d, rs=rs, ring_decay=rs, tma_o=False,
+                        pair=False),
                     ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc")
                     + (("wgmma.mma_async.sync.aligned.m64n128k16",) if rs else ()),
                     archs=("sm_90a",),
                 ))
+            out.append(Variant(   # pair: both V blocks of a tile in one CTA, two consumer warpgroups on one ring
+                op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode) + "_pair",
+                lambda d, kda=kda, mode=mode, init=init, final=final: compile_state_pass(
+                    torch.bfloat16, kda, init, final, mode=mode, dump_dir=d, rs=True, ring_decay=True, tma_o=False,
+                    u_fast=False, pair=True),
+                ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor", "setmaxnreg.inc",
+                               ".reqntid 384"),
+                archs=("sm_90a",),
+            ))
         out.append(Variant(   # rs with u read at constant offsets (a switch, off until measured)
             op, f"{tag}_state_pass_sm90_bfloat16_rs_u_fast",
             lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, True, True, dump_dir=d, rs=True,
@@ -165,7 +175,7 @@ def _variants() -> list[Variant]:
         out.append(Variant(   # rs, diagnostics: clock64 stamps per phase of every chunk
             op, f"{tag}_state_pass_sm90_bfloat16_rs_profile",
             lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, False, False, dump_dir=d, rs=True,
-                                                  profile=True),
+                                                  profile=True, pair=False),
             ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "clock64"),
             archs=("sm_90a",),
         ))

@@ -2,7 +2,7 @@
 # Build, check and time on the GPU machine in one call (see README "Running on the H200").
 # Usage (from the repo root, after `source .wheelhouse/b/install.sh`):
 #   bash scripts/device_check.sh [tests] [gpu-tests] [gdn-tests] [seg-tests] [merge-tests] [gdn-smoke] [gdn-profile] [kda-profile]
-#                                [host] [merge-time] [two-phase] [two-phase-tests] [two-phase-quick] [prep-time] [state-time] [state-profile] [bench-OP-GRID] ...
+#                                [host] [merge-time] [two-phase] [two-phase-tests] [two-phase-quick] [prep-time] [state-time] [state-profile] [pair] [bench-OP-GRID] ...
 #   e.g. BENCH_ARGS=--graph bash scripts/device_check.sh gdn-smoke gdn-tests bench-gdn-large
 # Logs and JSON go to $OUT (or ./device_out), so they come back with the call.
 set -uo pipefail
@@ -61,6 +61,11 @@ for stage in $stages; do
       timeout -s INT -k 10 ${QUICK_HOST_S:-150} python3 scripts/host_overhead.py paths 2>&1 | tee "$out/host_paths.log" | grep -v Warn ;;
     state-time)   # the state pass alone: smem / rs chain and ring depth (STATE_VARIANTS=smem,rs2,rs3)
       timeout -s INT -k 20 $t python3 scripts/time_two_phase.py state 2>&1 | tee "$out/state_time.log" | grep -v Warn
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    pair)   # the state pass with both V blocks per CTA (pair): GPU tests, then its time against one block per CTA
+      timeout -s INT -k 10 ${PAIR_TEST_S:-150} python3 -m pytest tests/test_two_phase.py -q --tb=line -p no:cacheprovider -k "rs-pair or orchestration" 2>&1 | tee "$out/pair_tests.log" | tail -6
+      status=$((status | ${PIPESTATUS[0]}))
+      timeout -s INT -k 20 $t python3 scripts/time_two_phase.py pair 2>&1 | tee "$out/pair_time.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
     state-profile)   # the state pass's cycles per chunk by phase (clock64 stamps, rs consumer)
       timeout -s INT -k 20 $t python3 scripts/time_two_phase.py chain 2>&1 | tee "$out/state_profile.log" | grep -v Warn

@@ -8,6 +8,7 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py chain      # phase 2's cycles per chunk by phase (the profile build)
     python3 scripts/time_two_phase.py prep-profile   # GDN phase 1 (slim): its time and cycles per step
     python3 scripts/time_two_phase.py paths      # large B x H: fused vs two-phase (forced), GDN and KDA, FLA beside
+    python3 scripts/time_two_phase.py pair       # phase 2 with both V blocks per CTA (`pair`) vs one, then the op
 """
 
 import os
@@ -218,7 +219,50 @@ def time_paths():
                   f"per SM) | two-phase {res['two-phase']:.0f} us | FLA {tf:.0f} us | auto picks {auto}", flush=True)
 
 
+def time_pair():
+    """Phase 2 with `pair` tiles (both V blocks of a (sequence, head, segment) in one CTA, two consumer warpgroups
+    on one ring) against one V block per CTA, per segment count: GPU time, us per chunk along a segment's chain,
+    bitwise equality of o and the final state (each consumer runs the same math); then the whole op ("auto") with
+    STATE_PAIR off and on, and the segment count its planner picked. PAIR_OPS=gdn,kda picks the ops."""
+    cells = [(1, 4, 16384, (1, 9, 16)), (1, 16, 4096, (1, 3, 6)), (2, 16, 8192, (1, 3)), (4, 16, 8192, (1,)),
+             (8, 16, 4096, (1,))]
+    ops_ = os.environ.get("PAIR_OPS", "gdn,kda").split(",")
+    for op in ops_:
+        kda = op == "kda"
+        for B, H, T, ns in cells:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda)
+            chunks = -(-T // 64)
+            for n in ns:
+                line, outs = [], []
+                for pair in (False, True):
+                    two_phase.STATE_PAIR = pair
+                    t = graph_us(lambda: two_phase.state_pass(prep, None, True, num_segments=n))
+                    o, s = two_phase.state_pass(prep, None, True, num_segments=n)
+                    outs.append((o.clone(), s.clone()))
+                    line.append(f"{'pair' if pair else 'one block'} {t:.1f} us ({t / chunks * n:.2f}/chunk)")
+                two_phase.STATE_PAIR = False
+                same = all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+                nan = any(y.isnan().any().item() for y in outs[1])
+                print(f"{op} state pass B={B} H={H} T={T} N={n}: " + " | ".join(line)
+                      + f" | bitwise equal {same}, NaN {nan}", flush=True)
+    for op in ops_:
+        ours, _ = ops.load_ours(op)
+        for B, H, T, _ in cells:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            line = []
+            for pair in (False, True):
+                two_phase.STATE_PAIR = pair
+                t = graph_us(lambda: ops.call_ours(op, ours, x), calls=3, reps=3)
+                plan = la.last_plan() if hasattr(la, "last_plan") else None
+                line.append(f"{'pair' if pair else 'one block'} {t:.1f} us ({plan})")
+            two_phase.STATE_PAIR = False
+            print(f"{op} op B={B} H={H} T={T}: " + " | ".join(line), flush=True)
+
+
 def main():
+    if sys.argv[1:] == ["pair"]:
+        return time_pair()
     if sys.argv[1:] == ["paths"]:
         return time_paths()
     if sys.argv[1:] == ["prep-profile"]:

@@ -55,14 +55,17 @@ def test_state_pass_rejects_bad_terms():
         two_phase.state_pass(prep)
 
 
-# state-pass variants: (rs, ring stages, exp(G_last) in the ring, o tiles by TMA store, u at constant offsets)
-STATE_VARIANTS = {"smem": (False, 2, False, False, False), "rs": (True, 2, True, False, False),
-                  "rs3": (True, 3, True, True, False), "rs-direct": (True, 2, False, False, False),
-                  "rs-tma-o": (True, 2, True, True, False), "rs-u-fast": (True, 2, True, False, True)}
+# state-pass variants: (rs, ring stages, exp(G_last) in the ring, o tiles by TMA store, u at constant offsets,
+# both V blocks in one CTA)
+STATE_VARIANTS = {"smem": (False, 2, False, False, False, False), "rs": (True, 2, True, False, False, False),
+                  "rs3": (True, 3, True, True, False, False), "rs-direct": (True, 2, False, False, False, False),
+                  "rs-tma-o": (True, 2, True, True, False, False), "rs-u-fast": (True, 2, True, False, True, False),
+                  "rs-pair": (True, 2, True, False, False, True)}
 
 
 def use_state_variant(monkeypatch, name):
-    rs, stages, ring_decay, tma_o, u_fast = STATE_VARIANTS[name]
+    rs, stages, ring_decay, tma_o, u_fast, pair = STATE_VARIANTS[name]
+    monkeypatch.setattr(two_phase, "STATE_PAIR", pair)
     monkeypatch.setattr(two_phase, "STATE_PASS_RS", rs)
     monkeypatch.setattr(two_phase, "STATE_STAGES", stages)
     monkeypatch.setattr(two_phase, "STATE_RING_DECAY", ring_decay)
@@ -147,10 +150,12 @@ def test_two_phase_matches_reference(kda, B, T, H, with_init, N, variant, monkey
 
 
 class StatePassEmulator:
-    """What one launch of ChunkStatePassSm90 does, tile by tile, in float64 (the kernel's contract)."""
+    """What one launch of ChunkStatePassSm90 does, tile by tile, in float64 (the kernel's contract; `pair`: a
+    tile's block b covers the 64-column blocks 2 b and 2 b + 1)."""
 
     def __init__(self, kda, has_initial_state, store_final_state, mode):
         self.kda, self.init, self.final, self.mode = kda, has_initial_state, store_final_state, mode
+        self.pair = two_phase.state_pair()
 
     def fn(self, qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, grid):
         from schedulers import TILE_FIELDS
@@ -158,9 +163,10 @@ class StatePassEmulator:
         qg, w, u, kg, aqk, eg, o = (x.flatten(0, 1) for x in (qg, w, u, kg, aqk, eg, o))
         col = {f: i for i, f in enumerate(TILE_FIELDS)}
         n_vb = o.shape[-1] // 64
-        for row in tiles[:num_tiles].tolist():
+        per = 2 if self.pair else 1
+        for row, j in [(r, j) for r in tiles[:num_tiles].tolist() for j in range(per)]:
             t = {f: row[i] for f, i in col.items()}
-            h, blk, a, b = t["head"], t["block"], t["tok_start"], t["tok_end"]
+            h, blk, a, b = t["head"], per * t["block"] + j, t["tok_start"], t["tok_end"]
             is_m = self.mode == "summary" and blk >= n_vb
             v0 = 64 * (blk - n_vb if is_m else blk)
             cols = slice(v0, v0 + 64)
@@ -226,7 +232,9 @@ def emulated_state_pass(monkeypatch):
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("num_segments", [1, 3, 8])
 @pytest.mark.parametrize("with_init", [True, False])
-def test_segmented_state_pass_orchestration(emulated_state_pass, kda, num_segments, with_init):
+@pytest.mark.parametrize("pair", [False, True])
+def test_segmented_state_pass_orchestration(emulated_state_pass, kda, num_segments, with_init, pair, monkeypatch):
+    monkeypatch.setattr(two_phase, "STATE_PAIR", pair)
     gen = torch.Generator().manual_seed(num_segments + 2 * kda + 4 * with_init)
     q, k, v, g, beta, init = make(2, 1000, 2, kda, gen)
     init = init if with_init else None

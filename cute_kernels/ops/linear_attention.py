@@ -322,7 +322,8 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
     mode = _two_phase_mode()
     if mode == "0" or (mode == "auto" and scheduler is not None):
         return None
-    key = (mode, scheduler if mode == "1" else None, B, T, H, cu, kda, init, AUTO_SEGMENTS, device)
+    key = (mode, scheduler if mode == "1" else None, B, T, H, cu, kda, init, AUTO_SEGMENTS, device,
+           _two_phase_module().state_pair())
     choice = _two_phase_plans.get(key)
     if choice is None:
         from schedulers import Problem, SegmentScheduler, segmented_cost_us

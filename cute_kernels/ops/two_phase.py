@@ -192,7 +192,8 @@ _plans: dict = {}
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM and the STATE_* switches
     of the state pass)."""
-    full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST)
+    full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
+            STATE_PAIR)
     plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:
@@ -296,12 +297,21 @@ STATE_O_TMA = os.environ.get("CUTE_KERNELS_STATE_O_TMA", "0") == "1"
 # partial chunk (`u_fast`); in the SASS of the default build ~80 of the ~245 instructions per thread of the v_new
 # step (~380 cycles of the chain) are per-load swizzle arithmetic. Compile-checked, not yet run on a GPU: off.
 STATE_U_FAST = os.environ.get("CUTE_KERNELS_STATE_U_FAST", "0") == "1"
+# rs with ring_decay only: both 64-column V blocks of a (sequence, head) in one CTA, a consumer warpgroup each on
+# one shared ring (`pair`): the qg, w, kg, Aqk tiles are loaded once per chunk instead of twice (72 instead of
+# 128 KB per chunk and head) and a (sequence, head, segment) takes one SM instead of two.
+STATE_PAIR = os.environ.get("CUTE_KERNELS_STATE_PAIR", "0") == "1"
+
+
+def state_pair() -> bool:
+    """Whether the state pass runs `pair` tiles (STATE_PAIR, where the other switches allow it)."""
+    return STATE_PAIR and STATE_PASS_RS and STATE_RING_DECAY and not STATE_O_TMA and not STATE_U_FAST
 
 
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                        mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None,
                        profile: bool = False, ring_decay: bool | None = None, tma_o: bool | None = None,
-                       u_fast: bool | None = None):
+                       u_fast: bool | None = None, pair: bool | None = None):
     """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `rs` defaults to
     STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs). `profile`: the diagnostic build whose
     final_state argument receives per-CTA phase cycles (`ChunkStatePassSm90` docstring)."""
@@ -312,8 +322,9 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     ring_decay = (STATE_RING_DECAY and rs) if ring_decay is None else ring_decay
     u_fast = (STATE_U_FAST and rs) if u_fast is None else u_fast
     tma_o = (STATE_O_TMA and rs) if tma_o is None else tma_o
+    pair = (state_pair() and rs and ring_decay and not tma_o and not u_fast) if pair is None else pair
     key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
-           profile, ring_decay, tma_o, u_fast)
+           profile, ring_decay, tma_o, u_fast, pair)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -326,7 +337,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
         io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
                                     num_stages=num_stages, profile=profile, ring_decay=ring_decay, tma_o=tma_o,
-                                    u_fast=u_fast)
+                                    u_fast=u_fast, pair=pair)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg
@@ -349,16 +360,18 @@ _schedules: dict = {}
 _POISON_SUMMARIES = False   # tests set it: the summary buffer starts as NaN, so an unwritten slot that is read shows
 
 
-def _state_pass_schedules(B, T, H, V, num_segments, init: bool, cu, device):
+def _state_pass_schedules(B, T, H, V, num_segments, init: bool, cu, device, pair: bool = False):
     """(output schedule, summary schedule or None) of the state pass: tiles (sequence, segment, head, 64 V
-    columns); the summary launch adds 2 blocks of M columns per segment, pruned by `summary_schedule`.
-    `num_segments`: one count for every sequence or a tuple per sequence (never more than its chunks)."""
+    columns; `pair`: 128); the summary launch adds M's 128 columns per segment (2 blocks, `pair`: 1), pruned by
+    `summary_schedule`. `num_segments`: one count for every sequence or a tuple per sequence (never more than
+    its chunks)."""
     from schedulers import Segmentation, schedule_from_segmentation, split_even, summary_schedule
 
-    key = (B, T, H, V, num_segments, init, cu, str(device))
+    key = (B, T, H, V, num_segments, init, cu, str(device), pair)
     hit = _schedules.get(key)
     if hit is None:
-        problem = _problem(B, T, H, cu, num_blocks=V // 64)
+        cols = 128 if pair else 64
+        problem = _problem(B, T, H, cu, num_blocks=V // cols)
         counts = num_segments if isinstance(num_segments, tuple) else (num_segments,) * problem.num_seqs
         if len(counts) != problem.num_seqs:
             raise ValueError(f"num_segments has {len(counts)} counts for {problem.num_seqs} sequences")
@@ -366,8 +379,8 @@ def _state_pass_schedules(B, T, H, V, num_segments, init: bool, cu, device):
         out = schedule_from_segmentation(problem, seg, "state-pass")
         summ = None
         if seg.total_segments > problem.num_seqs:
-            blocks = _problem(B, T, H, cu, num_blocks=V // 64 + 128 // 64)
-            summ = summary_schedule(blocks, seg, first_m=init, h_blocks=V // 64)
+            blocks = _problem(B, T, H, cu, num_blocks=V // cols + 128 // cols)
+            summ = summary_schedule(blocks, seg, first_m=init, h_blocks=V // cols)
         if len(_schedules) > 256:
             _schedules.clear()
         hit = _schedules[key] = (out, summ)
@@ -426,8 +439,9 @@ class StatePlan:
     def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device):
         from . import merge
 
-        schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device)
-        self.init, self.device, self.split = init, device, summ is not None
+        pair = state_pair()
+        schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device, pair)
+        self.init, self.device, self.split, self.pair = init, device, summ is not None, pair
         self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
         # an fp32 [1, 1, K, V] stand-in for a state the kernel neither reads nor writes (made here, not per call)
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
@@ -510,6 +524,8 @@ PREP_SLIM_CHUNK_US = float(os.environ.get("CUTE_KERNELS_PREP_SLIM_CHUNK_US", "11
 # T=8192: GDN 1.06-1.19, KDA 1.13-1.22; before it GDN 1.36-1.47, KDA 1.68-1.74); the smem variant's were 1.8.
 STATE_CHUNK_US = ({False: 1.15, True: 1.2} if STATE_RING_DECAY else {False: 1.45, True: 1.72}) if STATE_PASS_RS \
     else {False: 1.8, True: 1.8}
+# `pair` (two chains per CTA sharing the ring): a guess until measured.
+STATE_PAIR_CHUNK_US = {False: 1.35, True: 1.4}
 LAUNCH_US = 2.0
 
 
@@ -534,12 +550,14 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
     for c, n in zip(problem.chunks, counts):
         b = split_even(c, max(1, min(n, c)))
         lens.append([b[i + 1] - b[i] for i in range(len(b) - 1)])
-    outputs = [n for ls in lens for n in ls for _ in range(2 * H)]
-    t += makespan(outputs, slots) * STATE_CHUNK_US[kda]
+    per = 1 if state_pair() else 2   # tiles per (segment, head): V / 128 or V / 64 columns each
+    chunk_us = (STATE_PAIR_CHUNK_US if per == 1 else STATE_CHUNK_US)[kda]
+    outputs = [n for ls in lens for n in ls for _ in range(per * H)]
+    t += makespan(outputs, slots) * chunk_us
     if all(len(ls) <= 1 for ls in lens):
         return t
-    summary = [n for ls in lens for s, n in enumerate(ls[:-1]) for _ in range(H * (4 if (s or init) else 2))]
-    t += makespan(summary, slots) * STATE_CHUNK_US[kda]
+    summary = [n for ls in lens for s, n in enumerate(ls[:-1]) for _ in range(H * per * (2 if (s or init) else 1))]
+    t += makespan(summary, slots) * chunk_us
     return t + (max(len(ls) for ls in lens) - 1) * link_us + 2 * LAUNCH_US
 
 

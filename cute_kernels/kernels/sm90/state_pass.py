@@ -65,6 +65,12 @@ class ChunkStatePassSm90:
     and 8 constant row-block steps (`u_tile_offset`) -- one LDS with an immediate offset per element instead of
     the swizzle arithmetic on every address -- and masks rows only in a partial chunk.
 
+    `pair` (rs with ring_decay): 384 threads, two consumer warpgroups on one ring. A work tile's block then
+    covers 128 columns (two 64-column blocks); consumer warpgroup j (1 + j in the CTA) runs block 2 b + j with
+    its own S^T in registers, so the two chains of a (sequence, head) share every stage's qg, w, kg and Aqk
+    tiles (one load instead of two) and the stage's u tile is [64 x 128] (both blocks' columns). 72 KB per
+    stage; the consumer arrive count is 8 warps. Summary mode: block 0 = h_ext's 128 columns, block 1 = M's.
+
     `profile` (rs, diagnostics only): the consumer sums clock64 cycles per phase of every chunk -- (0) exp(G_last)
     load and ring wait, (1) first products and their wait, (2) subtraction and conversion of v_new, (4) second
     products issued, o's wait and o^T stored, (3) the state update's wait and the release -- and thread 0 of the
@@ -81,7 +87,7 @@ class ChunkStatePassSm90:
 
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                  mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False,
-                 ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False):
+                 ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False, pair: bool = False):
         if mode not in ("forward", "segment_outputs", "summary"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
@@ -100,14 +106,20 @@ class ChunkStatePassSm90:
         self.profile = profile
         if (ring_decay or tma_o or u_fast) and not rs:
             raise ValueError("ring_decay / tma_o / u_fast are rs-consumer options (rs=True)")
+        if pair and not (rs and ring_decay) or pair and (tma_o or u_fast):
+            raise ValueError("pair needs rs=True and ring_decay=True, without tma_o / u_fast")
         self.u_fast = u_fast
         self.ring_decay = ring_decay
         self.tma_o = tma_o and mode != "summary"
-        self.num_threads = 256
+        self.pair = pair
+        self.num_consumers = 2 if pair else 1
+        self.num_threads = 128 * (1 + self.num_consumers)
+        self.u_cols = V_BLOCK * self.num_consumers   # u columns per ring stage (pair: both V blocks)
         self.outputs = mode != "summary"
         wide_tiles = 3 if self.outputs else 2   # qg, w, kg (summary: w, kg)
-        narrow_tiles = 2 if self.outputs else 1   # u, aqk (summary: u)
-        self.tma_bytes = (wide_tiles * C * K_DIM + narrow_tiles * C * V_BLOCK) * io_dtype.width // 8
+        narrow_tiles = 1 if self.outputs else 0   # aqk
+        self.tma_bytes = ((wide_tiles * C * K_DIM + narrow_tiles * C * C + C * self.u_cols)
+                          * io_dtype.width // 8)
 
     @cute.jit
     def __call__(
@@ -148,7 +160,8 @@ class ChunkStatePassSm90:
         tma_qg, tma_qg_t = cpasync.make_tiled_tma_atom(op, thd(qg), wide, (C, K_DIM))
         tma_w, tma_w_t = cpasync.make_tiled_tma_atom(op, thd(w), wide, (C, K_DIM))
         tma_kg, tma_kg_t = cpasync.make_tiled_tma_atom(op, thd(kg), wide, (C, K_DIM))
-        tma_u, tma_u_t = cpasync.make_tiled_tma_atom(op, thd(u), narrow, (C, V_BLOCK))
+        u_layout = wt.first_stage(wt.smem_layout(C, self.u_cols, io))
+        tma_u, tma_u_t = cpasync.make_tiled_tma_atom(op, thd(u), u_layout, (C, self.u_cols))
         tma_a, tma_a_t = cpasync.make_tiled_tma_atom(op, thd(aqk), narrow, (C, V_BLOCK))
         # tma_o: o tiles [64 tokens x 64 V columns] leave from smem (the same swizzled layout as the u tile);
         # without it the u atom stands in, unused (no descriptor encoded per call for nothing)
@@ -172,7 +185,7 @@ class ChunkStatePassSm90:
             sQg: cute.struct.Align[cute.struct.MemRange[io, C * K_DIM * stages], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[io, C * K_DIM * stages], 1024]
             sKg: cute.struct.Align[cute.struct.MemRange[io, C * K_DIM * stages], 1024]
-            sU: cute.struct.Align[cute.struct.MemRange[io, C * V_BLOCK * stages], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[io, C * self.u_cols * stages], 1024]
             sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C * stages], 1024]
             sS: cute.struct.Align[cute.struct.MemRange[io, s_elems], 1024]      # bf16 copy of S (k, v)
             sVnew: cute.struct.Align[cute.struct.MemRange[io, t_elems], 1024]
@@ -211,14 +224,14 @@ class ChunkStatePassSm90:
             barrier_storage=st.load_mbar.data_ptr(),
             num_stages=ns,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumers),
             tx_count=self.tma_bytes,
         )
         sched = TileScheduler.create(mTiles, num_tiles, False)
         sQg = wt.smem_view(st.sQg, io, C, K_DIM, ns)                 # (token, channel, stage)
         sW = wt.smem_view(st.sW, io, C, K_DIM, ns)
         sKg_mn = wt.smem_view(st.sKg, io, C, K_DIM, ns, True)        # (channel, token, stage)
-        sU = wt.smem_view(st.sU, io, C, V_BLOCK, ns)                 # (token, v, stage)
+        sU = wt.smem_view(st.sU, io, C, self.u_cols, ns)             # (token, v, stage)
         sA = wt.smem_view(st.sAqk, io, C, C, ns)                     # (token r, token i, stage)
 
         if warp_idx == 0:
@@ -232,23 +245,23 @@ class ChunkStatePassSm90:
             if warp_idx == 0:
                 loads = ((tma_w, mW, sW, K_DIM, False),
                          (tma_kg, mKg, wt.smem_view(st.sKg, io, C, K_DIM, ns), K_DIM, False),
-                         (tma_u, mU, sU, V_BLOCK, True))
+                         (tma_u, mU, sU, self.u_cols, True))
                 if cutlass.const_expr(self.outputs):
                     loads = loads + ((tma_qg, mQg, sQg, K_DIM, False), (tma_a, mA, sA, C, False))
                 sEg = st.sEg.get_tensor(cute.make_layout((K_DIM, ns), stride=(1, K_DIM)))
-                self.producer(sched, load, loads, mU.shape[1] // V_BLOCK, mEg, sEg, tidx % 32)
+                self.producer(sched, load, loads, mU.shape[1] // self.u_cols, mEg, sEg, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(232)
             if cutlass.const_expr(self.rs):
-                self.consumer_rs(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st,
-                                 tma_os, mOT)
+                self.consumer_rs(sched, load, tidx - 128 * wg, wg - 1, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0,
+                                 mSN, st, tma_os, mOT)
             else:
                 self.consumer(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
 
     @cute.jit
     def producer(self, sched, load, loads, n_vb, mEg, sEg, lane):
         """One chunk per ring stage: the five tiles of `loads` ((atom, tensor, smem, columns, by_block): the column
-        tile is the work tile's V block where `by_block` (u), else 0; `n_vb`: the number of V blocks), and with
+        tile is the work tile's block where `by_block` (u), else 0; `n_vb`: the number of u column tiles), and with
         `ring_decay` the chunk's exp(G_last) (from `mEg` into the stage's column of `sEg`, by the warp's lanes)."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         work = sched.initial_work()
@@ -316,7 +329,7 @@ class ChunkStatePassSm90:
         work = sched.initial_work()
         while work.is_valid:
             head = work.head
-            v0, is_m = self.tile_columns(work, n_vb)
+            v0, is_m = self.tile_columns(work, n_vb, 0)
             tok0 = work.tok_start
             tok_end = work.tok_end
             self.load_start_state(work, head, v0, is_m, acc_s, cc_s, mS0, False)
@@ -338,7 +351,7 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.outputs):
                     wt.gemm(io, wtid, acc_o, sQg[None, None, stage], sS_mn, False, True, False, wait=False)
                 warpgroup.wait_group(0)
-                self.sub_u(acc, cc_ab, sU, stage, is_m, L, False)
+                self.sub_u(acc, cc_ab, sU, 0, stage, is_m, L, False)
                 wt.store_acc(io, wtid, mma64, acc, sVnew)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
@@ -365,10 +378,11 @@ class ChunkStatePassSm90:
             work = sched.advance(work)
 
     @cute.jit
-    def tile_columns(self, work, n_vb):
-        """(v0, is_m): the first state column of the tile's block and, in summary mode, whether the block is one
-        of M's (blocks past the n_vb V blocks), whose columns then restart at 0."""
-        blk = work.block
+    def tile_columns(self, work, n_vb, j):
+        """(v0, is_m): the first state column of consumer j's 64-column block and, in summary mode, whether the
+        block is one of M's (blocks past the n_vb V blocks), whose columns then restart at 0. `pair`: the work
+        tile's block b holds the 64-column blocks 2 b (consumer 0) and 2 b + 1 (consumer 1)."""
+        blk = work.block * self.num_consumers + j
         v0 = blk * V_BLOCK
         is_m = blk >= n_vb
         if cutlass.const_expr(self.mode == "summary"):
@@ -430,9 +444,10 @@ class ChunkStatePassSm90:
         return sDecay, cc_s, cc_t, acc_s, acc_v, acc_o
 
     @cute.jit
-    def consumer_rs(self, sched, load, wtid, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st, tma_os, mOT):
-        """`rs`: the state chain in registers (see the class docstring). Accumulators are indexed (v, n): v the
-        row of S^T (a V column of the block), n a channel (S^T) or a token (v_new^T, o^T)."""
+    def consumer_rs(self, sched, load, wtid, j, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st, tma_os, mOT):
+        """`rs`: the state chain in registers (see the class docstring) of consumer warpgroup j (`pair`: 0 or 1,
+        the work tile's two V blocks; else 0). Accumulators are indexed (v, n): v the row of S^T (a V column of the
+        block), n a channel (S^T) or a token (v_new^T, o^T)."""
         io = self.io_dtype
         sDecay, cc_s, cc_t, acc_s, acc_v, acc_o = self.rs_fragments(wtid, st)
         sEg = st.sEg.get_tensor(cute.make_layout((K_DIM, self.num_stages), stride=(1, K_DIM)))
@@ -451,7 +466,7 @@ class ChunkStatePassSm90:
         work = sched.initial_work()
         while work.is_valid:
             head = work.head
-            v0, is_m = self.tile_columns(work, n_vb)
+            v0, is_m = self.tile_columns(work, n_vb, j)
             tok0 = work.tok_start
             tok_end = work.tok_end
             self.load_start_state(work, head, v0, is_m, acc_s, cc_s, mS0, True)
@@ -490,7 +505,7 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.u_fast):
                     self.sub_u_fast(acc_v, cc_t, uflat, stage, wtid, is_m, L)
                 else:
-                    self.sub_u(acc_v, cc_t, sU, stage, is_m, L, True)
+                    self.sub_u(acc_v, cc_t, sU, V_BLOCK * j, stage, is_m, L, True)
                 rV = wt.acc_to_a(io, acc_v)
                 tc2 = cutlass.Int64(0)
                 if cutlass.const_expr(self.profile):
@@ -542,7 +557,7 @@ class ChunkStatePassSm90:
             if wtid == 0:
                 cute.arch.cp_async_bulk_wait_group(0)   # every o tile written before the CTA (and its smem) ends
         if cutlass.const_expr(self.profile):
-            if wtid == 0:
+            if wtid == 0 and j == 0:
                 bid, _, _ = cute.arch.block_idx()
                 flat = cute.make_tensor(mSN.iterator, cute.make_layout(cute.size(mSN)))
                 for k, val in enumerate((p0, p1, p2, p3)):
@@ -551,13 +566,14 @@ class ChunkStatePassSm90:
                 flat[8 * bid + 5] = Float32(p4)
 
     @cute.jit
-    def sub_u(self, acc, coords, sU, stage, is_m, L, transposed: bool):
-        """v_new = u - (w S): acc <- u - acc, rows past the chunk end (token >= L) 0; summary mode's M blocks
-        use u = 0. `coords` are the accumulator's (token, v), or (v, token) when `transposed` (rs)."""
+    def sub_u(self, acc, coords, sU, u0, stage, is_m, L, transposed: bool):
+        """v_new = u - (w S): acc <- u - acc (u: the stage's columns from u0), rows past the chunk end (token >=
+        L) 0; summary mode's M blocks use u = 0. `coords` are the accumulator's (token, v), or (v, token) when
+        `transposed` (rs)."""
         for i in cutlass.range_constexpr(cute.size(acc)):
             a, b = coords[i]
             n, vv = (b, a) if transposed else (a, b)
-            uval = Float32(sU[n, vv, stage])
+            uval = Float32(sU[n, u0 + vv, stage])
             if cutlass.const_expr(self.mode == "summary"):
                 uval = cutlass.select_(is_m, Float32(0.0), uval)
             acc[i] = cutlass.select_(n < L, uval - acc[i], Float32(0.0))

@@ -235,15 +235,15 @@ def time_pair():
             chunks = -(-T // 64)
             for n in ns:
                 line, outs = [], []
-                for pair in (False, True):
-                    two_phase.STATE_PAIR = pair
+                for name, pair, pp in (("one block", False, False), ("pair", True, False), ("pingpong", True, True)):
+                    two_phase.STATE_PAIR, two_phase.STATE_PINGPONG = pair, pp
                     t = graph_us(lambda: two_phase.state_pass(prep, None, True, num_segments=n))
                     o, s = two_phase.state_pass(prep, None, True, num_segments=n)
                     outs.append((o.clone(), s.clone()))
-                    line.append(f"{'pair' if pair else 'one block'} {t:.1f} us ({t / chunks * n:.2f}/chunk)")
-                two_phase.STATE_PAIR = False
-                same = all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
-                nan = any(y.isnan().any().item() for y in outs[1])
+                    line.append(f"{name} {t:.1f} us ({t / chunks * n:.2f}/chunk)")
+                two_phase.STATE_PAIR, two_phase.STATE_PINGPONG = False, True
+                same = all(torch.equal(a, b) for x in outs[1:] for a, b in zip(outs[0], x))
+                nan = any(y.isnan().any().item() for x in outs for y in x)
                 print(f"{op} state pass B={B} H={H} T={T} N={n}: " + " | ".join(line)
                       + f" | bitwise equal {same}, NaN {nan}", flush=True)
     for op in ops_:
@@ -255,7 +255,7 @@ def time_pair():
                 two_phase.STATE_PAIR = pair
                 t = graph_us(lambda: ops.call_ours(op, ours, x), calls=3, reps=3)
                 plan = la.last_plan() if hasattr(la, "last_plan") else None
-                line.append(f"{'pair' if pair else 'one block'} {t:.1f} us ({plan})")
+                line.append(f"{'pair+pingpong' if pair else 'one block'} {t:.1f} us ({plan})")
             two_phase.STATE_PAIR = False
             print(f"{op} op B={B} H={H} T={T}: " + " | ".join(line), flush=True)
 

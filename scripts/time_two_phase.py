@@ -227,6 +227,8 @@ def time_pair():
     cells = [(1, 4, 16384, (1, 9, 16)), (1, 16, 4096, (1, 3, 6)), (2, 16, 8192, (1, 3)), (4, 16, 8192, (1,)),
              (8, 16, 4096, (1,))]
     ops_ = os.environ.get("PAIR_OPS", "gdn,kda").split(",")
+    if os.environ.get("PAIR_PROFILE", "0") == "1":
+        return pair_profile()
     for op in ops_:
         kda = op == "kda"
         for B, H, T, ns in cells:
@@ -258,6 +260,35 @@ def time_pair():
                 line.append(f"{'pair+pingpong' if pair else 'one block'} {t:.1f} us ({plan})")
             two_phase.STATE_PAIR = False
             print(f"{op} op B={B} H={H} T={T}: " + " | ".join(line), flush=True)
+
+
+def pair_profile():
+    """The rs consumer's cycles per chunk by phase (profile build, consumer 0 of each CTA) with one chain per CTA,
+    two (`pair`), and two taking turns (`pingpong`): GDN, unsplit forward."""
+    for B, H, T in [(1, 4, 8192), (2, 16, 8192)]:
+        x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
+        prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=False)
+        dummy = torch.empty((1, 1, 128, 128), dtype=torch.float32, device="cuda")
+        terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
+        for name, pair, pp in (("one block", False, False), ("pair", True, False), ("pingpong", True, True)):
+            schedule, _ = two_phase._state_pass_schedules(B, T, H, 128, 1, False, None, prep.u.device, pair)
+            launch = (schedule.table_on(prep.u.device), schedule.num_tiles, schedule.grid[0])
+            grid = schedule.grid[0]
+            fn = two_phase.compile_state_pass(torch.bfloat16, False, False, False, rs=True, profile=True,
+                                              ring_decay=True, tma_o=False, u_fast=False, pair=pair,
+                                              pingpong=pp).fn
+            stamps = torch.zeros((1, 1, 128, 128), dtype=torch.float32, device="cuda")
+            o = torch.empty_like(prep.u)
+            t_prof = graph_us(lambda: fn(*terms, o, dummy, stamps, *launch))
+            stamps.zero_()
+            fn(*terms, o, dummy, stamps, *launch)
+            torch.cuda.synchronize()
+            p = stamps.flatten()[: 8 * grid].view(grid, 8).double()
+            chunks = p[:, 4].sum().item()
+            cyc = (p[:, [0, 1, 2, 5, 3]].sum(0) / chunks).tolist()
+            print(f"gdn profile B={B} H={H} T={T} {name}: {t_prof:.1f} us ({t_prof / (chunks / grid):.2f} us/chunk) "
+                  f"| cycles per chunk: wait {cyc[0]:.0f}, products 1 {cyc[1]:.0f}, v_new {cyc[2]:.0f}, issue 2 + o "
+                  f"{cyc[3]:.0f}, update wait + release {cyc[4]:.0f} (sum {sum(cyc):.0f})", flush=True)
 
 
 def main():

@@ -517,8 +517,8 @@ class ChunkStatePassSm90:
                 wt.gemm_rs(io, wtid, acc_v, rS, sW[None, None, stage], False, False, C, wait=False)
                 if cutlass.const_expr(self.outputs):
                     wt.gemm_rs(io, wtid, acc_o, rS, sQg[None, None, stage], False, False, C, wait=False)
-                self.pingpong_pass(j)
                 warpgroup.wait_group(0)
+                self.pingpong_pass(j)
                 tc = cutlass.Int64(0)
                 if cutlass.const_expr(self.profile):
                     tc = cute.arch.clock64()
@@ -544,7 +544,6 @@ class ChunkStatePassSm90:
                     else:
                         acc_s[i] = acc_s[i] * dg
                 wt.gemm_rs(io, wtid, acc_s, rV, sKg_mn[None, None, stage], True, True, K_DIM, wait=False)
-                self.pingpong_pass(j)
                 if cutlass.const_expr(self.outputs):
                     # o^T is done one group before the state update: store it while the update runs
                     warpgroup.wait_group(1)
@@ -561,6 +560,7 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.profile):
                     td = cute.arch.clock64()
                 warpgroup.wait_group(0)
+                self.pingpong_pass(j)
                 load.consumer_release(state)
                 state.advance()
                 if cutlass.const_expr(self.profile):

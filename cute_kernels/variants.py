@@ -145,17 +145,9 @@ def _variants() -> list[Variant]:
                 op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode) + "_pair",
                 lambda d, kda=kda, mode=mode, init=init, final=final: compile_state_pass(
                     torch.bfloat16, kda, init, final, mode=mode, dump_dir=d, rs=True, ring_decay=True, tma_o=False,
-                    u_fast=False, pair=True, pingpong=False),
+                    u_fast=False, pair=True),
                 ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor", "setmaxnreg.inc",
                                ".reqntid 384"),
-                archs=("sm_90a",),
-            ))
-            out.append(Variant(   # pair with the consumers taking turns at the tensor cores (named barriers)
-                op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode) + "_pingpong",
-                lambda d, kda=kda, mode=mode, init=init, final=final: compile_state_pass(
-                    torch.bfloat16, kda, init, final, mode=mode, dump_dir=d, rs=True, ring_decay=True, tma_o=False,
-                    u_fast=False, pair=True, pingpong=True),
-                ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", ".reqntid 384", "bar.arrive"),
                 archs=("sm_90a",),
             ))
         out.append(Variant(   # rs with u read at constant offsets (a switch, off until measured)

@@ -237,13 +237,13 @@ def time_pair():
             chunks = -(-T // 64)
             for n in ns:
                 line, outs = [], []
-                for name, pair, pp in (("one block", False, False), ("pair", True, False), ("pingpong", True, True)):
-                    two_phase.STATE_PAIR, two_phase.STATE_PINGPONG = pair, pp
+                for name, pair in (("one block", False), ("pair", True)):
+                    two_phase.STATE_PAIR = pair
                     t = graph_us(lambda: two_phase.state_pass(prep, None, True, num_segments=n))
                     o, s = two_phase.state_pass(prep, None, True, num_segments=n)
                     outs.append((o.clone(), s.clone()))
                     line.append(f"{name} {t:.1f} us ({t / chunks * n:.2f}/chunk)")
-                two_phase.STATE_PAIR, two_phase.STATE_PINGPONG = False, True
+                two_phase.STATE_PAIR = False
                 same = all(torch.equal(a, b) for x in outs[1:] for a, b in zip(outs[0], x))
                 nan = any(y.isnan().any().item() for x in outs for y in x)
                 print(f"{op} state pass B={B} H={H} T={T} N={n}: " + " | ".join(line)
@@ -257,26 +257,25 @@ def time_pair():
                 two_phase.STATE_PAIR = pair
                 t = graph_us(lambda: ops.call_ours(op, ours, x), calls=3, reps=3)
                 plan = la.last_plan() if hasattr(la, "last_plan") else None
-                line.append(f"{'pair+pingpong' if pair else 'one block'} {t:.1f} us ({plan})")
+                line.append(f"{'pair' if pair else 'one block'} {t:.1f} us ({plan})")
             two_phase.STATE_PAIR = False
             print(f"{op} op B={B} H={H} T={T}: " + " | ".join(line), flush=True)
 
 
 def pair_profile():
     """The rs consumer's cycles per chunk by phase (profile build, consumer 0 of each CTA) with one chain per CTA,
-    two (`pair`), and two taking turns (`pingpong`): GDN, unsplit forward."""
+    two (`pair`): GDN, unsplit forward."""
     for B, H, T in [(1, 4, 8192), (2, 16, 8192)]:
         x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
         prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=False)
         dummy = torch.empty((1, 1, 128, 128), dtype=torch.float32, device="cuda")
         terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
-        for name, pair, pp in (("one block", False, False), ("pair", True, False), ("pingpong", True, True)):
+        for name, pair in (("one block", False), ("pair", True)):
             schedule, _ = two_phase._state_pass_schedules(B, T, H, 128, 1, False, None, prep.u.device, pair)
             launch = (schedule.table_on(prep.u.device), schedule.num_tiles, schedule.grid[0])
             grid = schedule.grid[0]
             fn = two_phase.compile_state_pass(torch.bfloat16, False, False, False, rs=True, profile=True,
-                                              ring_decay=True, tma_o=False, u_fast=False, pair=pair,
-                                              pingpong=pp).fn
+                                              ring_decay=True, tma_o=False, u_fast=False, pair=pair).fn
             stamps = torch.zeros((1, 1, 128, 128), dtype=torch.float32, device="cuda")
             o = torch.empty_like(prep.u)
             t_prof = graph_us(lambda: fn(*terms, o, dummy, stamps, *launch))

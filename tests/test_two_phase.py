@@ -56,17 +56,16 @@ def test_state_pass_rejects_bad_terms():
 
 
 # state-pass variants: (rs, ring stages, exp(G_last) in the ring, o tiles by TMA store, u at constant offsets,
-# both V blocks in one CTA: True, or "pp" with the consumers taking turns)
+# both V blocks in one CTA)
 STATE_VARIANTS = {"smem": (False, 2, False, False, False, False), "rs": (True, 2, True, False, False, False),
                   "rs3": (True, 3, True, True, False, False), "rs-direct": (True, 2, False, False, False, False),
                   "rs-tma-o": (True, 2, True, True, False, False), "rs-u-fast": (True, 2, True, False, True, False),
-                  "rs-pair": (True, 2, True, False, False, True), "rs-pingpong": (True, 2, True, False, False, "pp")}
+                  "rs-pair": (True, 2, True, False, False, True)}
 
 
 def use_state_variant(monkeypatch, name):
     rs, stages, ring_decay, tma_o, u_fast, pair = STATE_VARIANTS[name]
-    monkeypatch.setattr(two_phase, "STATE_PAIR", bool(pair))
-    monkeypatch.setattr(two_phase, "STATE_PINGPONG", pair == "pp")
+    monkeypatch.setattr(two_phase, "STATE_PAIR", pair)
     monkeypatch.setattr(two_phase, "STATE_PASS_RS", rs)
     monkeypatch.setattr(two_phase, "STATE_STAGES", stages)
     monkeypatch.setattr(two_phase, "STATE_RING_DECAY", ring_decay)

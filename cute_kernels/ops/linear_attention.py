@@ -81,9 +81,10 @@ AUTO_SEGMENTS = os.environ.get("CUTE_KERNELS_AUTO_SEGMENTS", "1") == "1"
 # segmented GDN at B=1 H=4 within 5% (T=1024/4096/8192: 77/146/247 us predicted, 81/146/249 us measured).
 # KDA: 16.4 us with KDA_VEC and KDA_PREFETCH on (scripts/gdn_profile.py kda, B=16 H=64 T=4096; 26.0 without).
 # GDN re-measured with the vectorized solve (2026-12-03, session 10, `scripts/time_two_phase.py paths`): 3552 us at
-# B=16 H=64 T=4096 (8 waves x 64 chunks: 6.9 us), 470 us at B=4 H=32 T=4096 (one wave: 7.3 us) -> 7.2. KDA's
-# fused kernel shares the solve but was not re-measured (its 16.4 is now an upper bound).
-CHUNK_US = {False: 7.2, True: 16.4}
+# B=16 H=64 T=4096 (8 waves x 64 chunks: 6.9 us), 470 us at B=4 H=32 T=4096 (one wave: 7.3 us) -> 7.2. KDA
+# (session 11, `scripts/time_two_phase.py pair`, the op at B=8 H=16 T=4096 on the fused path: 962 and 975 us for
+# one wave of 64 chunks) -> 15.1 (was 16.4 before the vectorized solve; no "auto" choice on the seed grid changes).
+CHUNK_US = {False: 7.2, True: 15.1}
 # "auto" takes the two-phase path only where its predicted time is under this fraction of the fused kernel's: the
 # models fit measured times within ~5-10%, and inside that band the fused kernel (one launch, no phase-1 terms in
 # memory) is the safer choice (GDN at B*H = 128: two-phase predicted 0.97-1.03x of fused, measured never).

@@ -193,7 +193,7 @@ def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM and the STATE_* switches
     of the state pass)."""
     full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
-            STATE_PAIR, STATE_PINGPONG)
+            STATE_PAIR)
     plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:
@@ -299,11 +299,11 @@ STATE_O_TMA = os.environ.get("CUTE_KERNELS_STATE_O_TMA", "0") == "1"
 STATE_U_FAST = os.environ.get("CUTE_KERNELS_STATE_U_FAST", "0") == "1"
 # rs with ring_decay only: both 64-column V blocks of a (sequence, head) in one CTA, a consumer warpgroup each on
 # one shared ring (`pair`): the qg, w, kg, Aqk tiles are loaded once per chunk instead of twice (72 instead of
-# 128 KB per chunk and head) and a (sequence, head, segment) takes one SM instead of two.
+# 128 KB per chunk and head) and a (sequence, head, segment) takes one SM instead of two. Measured on the H200
+# (2026-12-03, `scripts/time_two_phase.py pair`): each chain 1.96-2.16 us per chunk against 1.28-1.35 alone, so
+# faster only where the state pass has more tiles than SMs (B=8 H=16 T=4096: 186 vs 202 us), which no call the
+# planner sends down the two-phase path has today; off.
 STATE_PAIR = os.environ.get("CUTE_KERNELS_STATE_PAIR", "0") == "1"
-# pair only: the two consumers take turns issuing their products (`pingpong`); measured on the H200 without it
-# (2026-12-03): a pair CTA ran each chain at 2.0 us per chunk against 1.28 for one chain per CTA.
-STATE_PINGPONG = os.environ.get("CUTE_KERNELS_STATE_PINGPONG", "1") == "1"
 
 
 def state_pair() -> bool:
@@ -314,7 +314,7 @@ def state_pair() -> bool:
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                        mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None,
                        profile: bool = False, ring_decay: bool | None = None, tma_o: bool | None = None,
-                       u_fast: bool | None = None, pair: bool | None = None, pingpong: bool | None = None):
+                       u_fast: bool | None = None, pair: bool | None = None):
     """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `rs` defaults to
     STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs). `profile`: the diagnostic build whose
     final_state argument receives per-CTA phase cycles (`ChunkStatePassSm90` docstring)."""
@@ -326,9 +326,8 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     u_fast = (STATE_U_FAST and rs) if u_fast is None else u_fast
     tma_o = (STATE_O_TMA and rs) if tma_o is None else tma_o
     pair = (state_pair() and rs and ring_decay and not tma_o and not u_fast) if pair is None else pair
-    pingpong = (STATE_PINGPONG and pair) if pingpong is None else pingpong
     key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
-           profile, ring_decay, tma_o, u_fast, pair, pingpong)
+           profile, ring_decay, tma_o, u_fast, pair)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -341,7 +340,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
         io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
                                     num_stages=num_stages, profile=profile, ring_decay=ring_decay, tma_o=tma_o,
-                                    u_fast=u_fast, pair=pair, pingpong=pingpong)
+                                    u_fast=u_fast, pair=pair)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg
@@ -528,10 +527,9 @@ PREP_SLIM_CHUNK_US = float(os.environ.get("CUTE_KERNELS_PREP_SLIM_CHUNK_US", "11
 # T=8192: GDN 1.06-1.19, KDA 1.13-1.22; before it GDN 1.36-1.47, KDA 1.68-1.74); the smem variant's were 1.8.
 STATE_CHUNK_US = ({False: 1.15, True: 1.2} if STATE_RING_DECAY else {False: 1.45, True: 1.72}) if STATE_PASS_RS \
     else {False: 1.8, True: 1.8}
-# `pair` (two chains per CTA sharing the ring): a guess until measured; CUTE_KERNELS_STATE_PAIR_CHUNK_US="GDN,KDA"
-# overrides it.
-STATE_PAIR_CHUNK_US = dict(zip((False, True), (float(x) for x in os.environ.get(
-    "CUTE_KERNELS_STATE_PAIR_CHUNK_US", "1.35,1.4").split(","))))
+# `pair` (two chains per CTA sharing the ring), per chunk per chain: measured 1.96-2.04 (GDN), 2.03-2.16 (KDA)
+# unsplit at B=1 H=4 .. B=4 H=16 (H200, 2026-12-03).
+STATE_PAIR_CHUNK_US = {False: 2.0, True: 2.1}
 LAUNCH_US = 2.0
 
 

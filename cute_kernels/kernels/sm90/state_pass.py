@@ -70,10 +70,10 @@ class ChunkStatePassSm90:
     its own S^T in registers, so the two chains of a (sequence, head) share every stage's qg, w, kg and Aqk
     tiles (one load instead of two) and the stage's u tile is [64 x 128] (both blocks' columns). 72 KB per
     stage; the consumer arrive count is 8 warps. Summary mode: block 0 = h_ext's 128 columns, block 1 = M's.
-    `pingpong` (pair): the consumers take turns issuing their products (named barriers 3 and 4: wait for my
-    turn, issue, pass the turn), so one's products run while the other does its ALU phase instead of both
-    issuing into the tensor cores at once: per chunk consumer 0 products 1, consumer 1 products 1, consumer 0
-    products 2, consumer 1 products 2.
+    Measured (H200): one chain per CTA 1.2-1.28 us per chunk, two per CTA 1.96-2.1 (each); a profile build
+    shows the second chain doubling the first one's ALU phases (v_new 376 -> 790-850 cycles per chunk) even when
+    the two take turns at the tensor cores (named-barrier ping-pong, tried and removed): two chains per SM give
+    ~1.3x the chunks per SM per us at ~1.6x the latency per chain. Off by default (`STATE_PAIR`).
 
     `profile` (rs, diagnostics only): the consumer sums clock64 cycles per phase of every chunk -- (0) exp(G_last)
     load and ring wait, (1) first products and their wait, (2) subtraction and conversion of v_new, (4) second
@@ -91,8 +91,7 @@ class ChunkStatePassSm90:
 
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                  mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False,
-                 ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False, pair: bool = False,
-                 pingpong: bool = False):
+                 ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False, pair: bool = False):
         if mode not in ("forward", "segment_outputs", "summary"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
@@ -117,9 +116,6 @@ class ChunkStatePassSm90:
         self.ring_decay = ring_decay
         self.tma_o = tma_o and mode != "summary"
         self.pair = pair
-        if pingpong and not pair:
-            raise ValueError("pingpong orders the two consumers of pair=True")
-        self.pingpong = pingpong
         self.num_consumers = 2 if pair else 1
         self.num_threads = 128 * (1 + self.num_consumers)
         self.u_cols = V_BLOCK * self.num_consumers   # u columns per ring stage (pair: both V blocks)
@@ -472,9 +468,6 @@ class ChunkStatePassSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
 
         n_vb = mO.shape[2] // V_BLOCK
-        if cutlass.const_expr(self.pingpong):
-            if j == 1:
-                self.pingpong_pass(j)   # consumer 0 issues first
         chunks_done = Int32(0)   # KDA's decay buffer alternates with every chunk, across tiles too
         p0 = cutlass.Int64(0)    # profile: cycles per phase, summed over chunks
         p1 = cutlass.Int64(0)
@@ -512,13 +505,11 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.profile):
                     tb = cute.arch.clock64()
                 # v_new^T = u^T - S^T w^T and o^T = S^T qg^T, one commit (A = S^T from registers)
-                self.pingpong_wait(j)
                 rS = wt.acc_to_a(io, acc_s)
                 wt.gemm_rs(io, wtid, acc_v, rS, sW[None, None, stage], False, False, C, wait=False)
                 if cutlass.const_expr(self.outputs):
                     wt.gemm_rs(io, wtid, acc_o, rS, sQg[None, None, stage], False, False, C, wait=False)
                 warpgroup.wait_group(0)
-                self.pingpong_pass(j)
                 tc = cutlass.Int64(0)
                 if cutlass.const_expr(self.profile):
                     tc = cute.arch.clock64()
@@ -531,7 +522,6 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.profile):
                     tc2 = cute.arch.clock64()
                 # o^T += v_new^T Aqk^T and S^T <- S^T diag(exp(G_last)) + v_new^T kg, one commit (A = v_new^T)
-                self.pingpong_wait(j)
                 if cutlass.const_expr(self.outputs):
                     wt.gemm_rs(io, wtid, acc_o, rV, sA[None, None, stage], False, True, C, wait=False)
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -560,7 +550,6 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.profile):
                     td = cute.arch.clock64()
                 warpgroup.wait_group(0)
-                self.pingpong_pass(j)
                 load.consumer_release(state)
                 state.advance()
                 if cutlass.const_expr(self.profile):
@@ -586,18 +575,6 @@ class ChunkStatePassSm90:
                     flat[8 * bid + k] = Float32(val)
                 flat[8 * bid + 4] = Float32(chunks_done)
                 flat[8 * bid + 5] = Float32(p4)
-
-    @cute.jit
-    def pingpong_wait(self, j):
-        """`pingpong`: wait until the other consumer has issued its latest products (named barrier 3 + j)."""
-        if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier(barrier_id=3 + j, number_of_threads=256)
-
-    @cute.jit
-    def pingpong_pass(self, j):
-        """`pingpong`: let the other consumer issue its next products (arrive on its barrier, 3 + (1 - j))."""
-        if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=4 - j, number_of_threads=256)
 
     @cute.jit
     def sub_u(self, acc, coords, sU, u0, stage, is_m, L, transposed: bool):

@@ -485,6 +485,14 @@ def test_state_pass_profile_mode_is_rs_only_and_owns_final_state(monkeypatch):
         ChunkStatePassSm90(cutlass.BFloat16, False, False, False, rs=False, profile=True)
     with pytest.raises(ValueError, match="store_final_state=False"):
         ChunkStatePassSm90(cutlass.BFloat16, False, False, True, rs=True, profile=True)
+    # pair: two consumer warpgroups (384 threads), a [64 x 128] u tile per stage, only with rs + ring_decay
+    k = ChunkStatePassSm90(cutlass.BFloat16, False, False, True, rs=True, ring_decay=True, pair=True)
+    assert (k.num_threads, k.u_cols) == (384, 128)
+    assert k.tma_bytes == (3 * 64 * 128 + 64 * 64 + 64 * 128) * 2   # qg, w, kg + aqk + u (both blocks), bf16
+    for bad in ({"rs": False}, {"ring_decay": False}, {"tma_o": True}, {"u_fast": True}):
+        with pytest.raises(ValueError, match="pair needs|rs-consumer options"):
+            ChunkStatePassSm90(cutlass.BFloat16, False, False, True, **{"rs": True, "ring_decay": True, **bad},
+                               pair=True)
 
 
 U_OFFSET_CHECK = r"""

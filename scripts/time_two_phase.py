@@ -9,6 +9,7 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py prep-profile   # GDN phase 1 (slim): its time and cycles per step
     python3 scripts/time_two_phase.py paths      # large B x H: fused vs two-phase (forced), GDN and KDA, FLA beside
     python3 scripts/time_two_phase.py pair       # phase 2 with both V blocks per CTA (`pair`) vs one, then the op
+    python3 scripts/time_two_phase.py pdl        # the op with programmatic dependent launch off / on
 """
 
 import os
@@ -290,7 +291,35 @@ def pair_profile():
                   f"{cyc[3]:.0f}, update wait + release {cyc[4]:.0f} (sum {sum(cyc):.0f})", flush=True)
 
 
+def time_pdl():
+    """The op ("auto" path) with programmatic dependent launch between the two-phase kernels off and on
+    (`two_phase.PDL`): GPU time from graph replay and bitwise equality of o and the final state (same kernels, only
+    the launch overlap differs). PDL_OPS=gdn,kda picks the ops."""
+    cells = [(1, 4, 512), (1, 4, 1024), (1, 4, 4096), (1, 4, 16384), (1, 16, 2048), (2, 16, 8192)]
+    for op in os.environ.get("PDL_OPS", "gdn").split(","):
+        ours, _ = ops.load_ours(op)
+        for B, H, T in cells:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            line, outs = [], []
+            for pdl in (False, True):
+                two_phase.PDL = pdl
+                t = graph_us(lambda: ops.call_ours(op, ours, x), calls=5, reps=5)
+                for _ in range(3 if pdl else 1):   # PDL on: three eager calls, each must equal the PDL-off one
+                    outs.append(tuple(y.clone() for y in ops.call_ours(op, ours, x) if y is not None))
+                line.append(f"PDL {'on' if pdl else 'off'} {t:.1f} us")
+            two_phase.PDL = False
+            same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
+            nan = any(y.isnan().any().item() for o in outs for y in o)
+            plan = la.last_plan() or ""
+            n = plan.split("segments per sequence: ")[1].split(" ")[0] if "segments per sequence: " in plan else "?"
+            path = "two-phase" if "path: two-phase" in plan else "fused"
+            print(f"{op} op B={B} H={H} T={T} ({path}, N={n}): " + " | ".join(line)
+                  + f" | bitwise equal {same}, NaN {nan}", flush=True)
+
+
 def main():
+    if sys.argv[1:] == ["pdl"]:
+        return time_pdl()
     if sys.argv[1:] == ["pair"]:
         return time_pair()
     if sys.argv[1:] == ["paths"]:

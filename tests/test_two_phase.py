@@ -217,7 +217,7 @@ def emulated_state_pass(monkeypatch):
     monkeypatch.setattr(two_phase, "compile_state_pass", fake_compile)
     monkeypatch.setattr(merge_ops, "affine_merge", fake_merge)
 
-    def fake_starts_plan(num_seqs, num_heads, slots, seg_offsets, has_initial_state, device):
+    def fake_starts_plan(num_seqs, num_heads, slots, seg_offsets, has_initial_state, device, pdl=False):
         assert len(seg_offsets) == num_seqs + 1 and seg_offsets[-1] == slots
         return lambda M, h_ext, init: fake_merge(M, h_ext, seg_offsets, init if has_initial_state else None,
                                                  starts_only=True)[0]

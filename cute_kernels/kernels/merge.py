@@ -49,10 +49,12 @@ class AffineMerge:
       off the serial chain: per segment one group wait, three CTA barriers and the K x 8 x K products.
     """
 
-    def __init__(self, k_dim: int, v_dim: int, has_initial_state: bool, impl: str = "simt", starts_only: bool = False):
+    def __init__(self, k_dim: int, v_dim: int, has_initial_state: bool, impl: str = "simt", starts_only: bool = False,
+                 pdl: bool = False):
         if impl not in AFFINE_MERGE_CONFIG:
             raise ValueError(f"AffineMerge impl must be one of {sorted(AFFINE_MERGE_CONFIG)}, got {impl!r}")
         self.impl = impl
+        self.pdl = pdl
         self.staged = impl != "simt"
         self.num_threads, block_v = AFFINE_MERGE_CONFIG[impl]
         if not affine_merge_fits(impl, k_dim, v_dim):
@@ -85,6 +87,7 @@ class AffineMerge:
             grid=[self.v_dim // self.block_v, num_heads, num_seqs],
             block=[self.num_threads, 1, 1],
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     @cute.kernel
@@ -99,6 +102,7 @@ class AffineMerge:
     ):
         K, RPT = self.k_dim, self.rows_per_thread
         prefetch = self.impl == "prefetch"
+        self.pdl_start()
         tid, head, seq, col, row0, v = self.coords()
 
         smem = cutlass.memory.SmemAllocator()
@@ -169,6 +173,7 @@ class AffineMerge:
         final_state: cute.Tensor,
     ):
         K, BV, RPT, STAGES = self.k_dim, self.block_v, self.rows_per_thread, self.ring_stages
+        self.pdl_start()
         tid, head, seq, col, row0, v = self.coords()
 
         smem = cutlass.memory.SmemAllocator()
@@ -220,6 +225,14 @@ class AffineMerge:
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         self.store_end(s_tile, start_states, final_state, first, last, seq, head, row0, col, v)
+
+    @cute.jit
+    def pdl_start(self):
+        """`pdl` (launched early after the summary launch): wait for it to finish before reading any summary, and
+        let the next launch (the segments' outputs) start its prologue."""
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def coords(self):

@@ -67,7 +67,7 @@ def merge_impl_for(num_seqs: int, num_heads: int, k_dim: int, v_dim: int, sms: i
 
 
 def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, impl: str | None = None, dump_dir=None,
-                         starts_only: bool = False):
+                         starts_only: bool = False, pdl: bool = False):
     impl = merge_impl_for(1, 1, k_dim, v_dim, 1) if impl is None else impl
     if impl not in AFFINE_MERGE_IMPLS:
         raise ValueError(f"affine merge impl must be one of {AFFINE_MERGE_IMPLS}, got {impl!r}")
@@ -90,10 +90,11 @@ def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, impl: 
             fake_stream(),
         )
         if impl == "tc":
-            return AffineMergeTcSm90(cutlass.BFloat16, has_initial_state, starts_only), args
-        return AffineMerge(k_dim, v_dim, has_initial_state, impl, starts_only), args
+            return AffineMergeTcSm90(cutlass.BFloat16, has_initial_state, starts_only, pdl=pdl), args
+        return AffineMerge(k_dim, v_dim, has_initial_state, impl, starts_only, pdl=pdl), args
 
-    key = ("affine_merge", k_dim, v_dim, has_initial_state, impl) + (("starts_only",) if starts_only else ())
+    key = (("affine_merge", k_dim, v_dim, has_initial_state, impl) + (("starts_only",) if starts_only else ())
+           + (("pdl",) if pdl else ()))
     return compile_kernel(key, build, dump_dir=dump_dir)
 
 
@@ -139,15 +140,16 @@ def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_
 
 
 def affine_merge_starts_plan(num_seqs: int, num_heads: int, slots: int, seg_offsets, has_initial_state: bool,
-                             device):
+                             device, pdl: bool = False):
     """`affine_merge(..., starts_only=True)` for one fixed configuration (K = V = 128), checked and compiled once:
     the returned `run(M, h_ext, initial_state) -> start_states` launches without checking its tensors again (the
-    two-phase state pass calls it once per forward with buffers it made itself)."""
+    two-phase state pass calls it once per forward with buffers it made itself). `pdl`: launched with programmatic
+    dependent launch (it waits for the previous kernel inside, see `AffineMerge`)."""
     offsets, n = offsets_tensor("seg_offsets", seg_offsets, slots, device)
     if n != num_seqs:
         raise ValueError(f"seg_offsets has {n} sequences, expected {num_seqs}")
     impl = merge_impl_for(num_seqs, num_heads, 128, 128, sm_count(device))
-    fn = compile_affine_merge(128, 128, has_initial_state, impl, starts_only=True).fn
+    fn = compile_affine_merge(128, 128, has_initial_state, impl, starts_only=True, pdl=pdl).fn
 
     def run(M, h_ext, initial_state):
         starts = torch.empty((slots, num_heads, 128, 128), dtype=torch.float32, device=device)

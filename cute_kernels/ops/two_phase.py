@@ -104,7 +104,7 @@ def prep_chunks_per_tile(problem, kda: bool, slots: int) -> int:
 
 def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool, vec: bool | None = None,
                        prefetch: bool | None = None, slim: bool | None = None, dump_dir=None,
-                       profile: bool = False):
+                       profile: bool = False, pdl: bool | None = None):
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
     to the fused kernel's switches (KDA_VEC, KDA_PREFETCH); GDN's `slim` to PREP_SLIM."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
@@ -113,7 +113,8 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     vec = kda and (la.KDA_VEC if vec is None else vec)
     prefetch = kda and (la.KDA_PREFETCH if prefetch is None else prefetch)
     slim = not kda and (PREP_SLIM if slim is None else slim)
-    key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile)
+    pdl = PDL if pdl is None else pdl
+    key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, pdl)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -125,7 +126,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
 
         io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
         kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch, slim=slim,
-                               profile=profile)
+                               profile=profile, pdl=pdl)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN), align=4)   # noqa: E731
         args = (
@@ -193,7 +194,7 @@ def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM and the STATE_* switches
     of the state pass)."""
     full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
-            STATE_PAIR)
+            STATE_PAIR, PDL)
     plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:
@@ -304,6 +305,11 @@ STATE_U_FAST = os.environ.get("CUTE_KERNELS_STATE_U_FAST", "0") == "1"
 # faster only where the state pass has more tiles than SMs (B=8 H=16 T=4096: 186 vs 202 us), which no call the
 # planner sends down the two-phase path has today; off.
 STATE_PAIR = os.environ.get("CUTE_KERNELS_STATE_PAIR", "0") == "1"
+# Programmatic dependent launch between the two-phase kernels: phase 1 lets the state pass launch once its last
+# wave has started (`griddepcontrol.launch_dependents`), and the state pass / merge launches wait inside
+# (`griddepcontrol.wait`) after their prologue, so barrier setup, descriptor prefetch and launch latency overlap
+# the previous kernel's tail instead of following it.
+PDL = os.environ.get("CUTE_KERNELS_PDL", "0") == "1"
 
 
 def state_pair() -> bool:
@@ -314,7 +320,7 @@ def state_pair() -> bool:
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                        mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None,
                        profile: bool = False, ring_decay: bool | None = None, tma_o: bool | None = None,
-                       u_fast: bool | None = None, pair: bool | None = None):
+                       u_fast: bool | None = None, pair: bool | None = None, pdl: bool | None = None):
     """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `rs` defaults to
     STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs). `profile`: the diagnostic build whose
     final_state argument receives per-CTA phase cycles (`ChunkStatePassSm90` docstring)."""
@@ -327,7 +333,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     tma_o = (STATE_O_TMA and rs) if tma_o is None else tma_o
     pair = (state_pair() and rs and ring_decay and not tma_o and not u_fast) if pair is None else pair
     key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
-           profile, ring_decay, tma_o, u_fast, pair)
+           profile, ring_decay, tma_o, u_fast, pair, PDL if pdl is None else pdl)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -340,7 +346,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
         io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
                                     num_stages=num_stages, profile=profile, ring_decay=ring_decay, tma_o=tma_o,
-                                    u_fast=u_fast, pair=pair)
+                                    u_fast=u_fast, pair=pair, pdl=PDL if pdl is None else pdl)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg
@@ -453,7 +459,7 @@ class StatePlan:
             return
         self.slots = schedule.segmentation.total_segments
         self.merge = merge.affine_merge_starts_plan(len(schedule.seg_offsets) - 1, H, self.slots,
-                                                    schedule.seg_offsets, init, device)
+                                                    schedule.seg_offsets, init, device, pdl=PDL)
         self.summary_fn = compile_state_pass(io, kda, False, False, mode="summary") if summ.num_tiles else None
         self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0])
         self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs")

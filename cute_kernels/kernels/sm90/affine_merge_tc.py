@@ -38,8 +38,9 @@ class AffineMergeTcSm90:
     Pipeline: `PipelineAsync` (producer 128 threads, consumer 128 threads), 2 stages of 96 KB.
     """
 
-    def __init__(self, io_dtype, has_initial_state: bool, starts_only: bool = False):
+    def __init__(self, io_dtype, has_initial_state: bool, starts_only: bool = False, pdl: bool = False):
         self.io_dtype = io_dtype
+        self.pdl = pdl   # launched early after the summary launch: griddepcontrol.wait before any read
         self.has_initial_state = has_initial_state
         self.starts_only = starts_only
         self.num_threads = 256
@@ -61,13 +62,16 @@ class AffineMergeTcSm90:
         assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB of an SM90 CTA"
         self.kernel(m, h_ext, seg_offsets, initial_state, start_states, final_state).launch(
             grid=[final_state.shape[3] // V_BLOCK, final_state.shape[1], final_state.shape[0]],
-            block=[self.num_threads, 1, 1], stream=stream,
+            block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl,
         )
 
     @cute.kernel
     def kernel(self, m: cute.Tensor, h_ext: cute.Tensor, seg_offsets: cute.Tensor, initial_state: cute.Tensor,
                start_states: cute.Tensor, final_state: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         vb, head, seq = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128)
         smem = cutlass.memory.SmemAllocator()

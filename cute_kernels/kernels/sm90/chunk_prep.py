@@ -46,7 +46,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     PROFILE_FIELDS = 16
 
     def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
-                 prefetch_gates: bool = False, slim: bool = False, profile: bool = False):
+                 prefetch_gates: bool = False, slim: bool = False, profile: bool = False, pdl: bool = False):
         super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
                          vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
         if slim and kda:
@@ -57,6 +57,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             self.num_threads = 288
         self.ctas_per_sm = 2 if slim else 1
         self.profile = profile
+        self.pdl = pdl
 
     @cute.jit
     def __call__(
@@ -130,6 +131,10 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         mTiles: cute.Tensor, num_tiles: Int32, scale: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
+        if cutlass.const_expr(self.pdl):
+            # the state pass (launched with PDL) may start its prologue once every CTA of this grid has begun;
+            # its griddepcontrol.wait still waits for this whole grid to finish and flush
+            cute.arch.griddepcontrol_launch_dependents()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
         smem = cutlass.memory.SmemAllocator()

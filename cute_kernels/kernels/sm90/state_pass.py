@@ -91,7 +91,8 @@ class ChunkStatePassSm90:
 
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                  mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False,
-                 ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False, pair: bool = False):
+                 ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False, pair: bool = False,
+                 pdl: bool = False):
         if mode not in ("forward", "segment_outputs", "summary"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
@@ -116,6 +117,7 @@ class ChunkStatePassSm90:
         self.ring_decay = ring_decay
         self.tma_o = tma_o and mode != "summary"
         self.pair = pair
+        self.pdl = pdl
         self.num_consumers = 2 if pair else 1
         self.num_threads = 128 * (1 + self.num_consumers)
         self.u_cols = V_BLOCK * self.num_consumers   # u columns per ring stage (pair: both V blocks)
@@ -203,6 +205,7 @@ class ChunkStatePassSm90:
         self.kernel(tma_qg, tma_qg_t, tma_w, tma_w_t, tma_kg, tma_kg_t, tma_u, tma_u_t, tma_a, tma_a_t,
                     tma_os, tma_os_t, eg, o, initial_state, final_state, tiles, num_tiles).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+            use_pdl=self.pdl,
         )
 
     @cute.kernel
@@ -231,6 +234,11 @@ class ChunkStatePassSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumers),
             tx_count=self.tma_bytes,
         )
+        if cutlass.const_expr(self.pdl):
+            # launched early (PDL): barriers are set up above; wait here for the previous grid (phase 1, or the
+            # merge) to finish before reading anything it wrote, and let the next launch start its own prologue
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         sched = TileScheduler.create(mTiles, num_tiles, False)
         sQg = wt.smem_view(st.sQg, io, C, K_DIM, ns)                 # (token, channel, stage)
         sW = wt.smem_view(st.sW, io, C, K_DIM, ns)

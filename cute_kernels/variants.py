@@ -56,6 +56,18 @@ def _variants() -> list[Variant]:
             + (("cp.async.ca.shared.global", "cp.async.wait_group") if impl == "ring" else ()),
             ptx_must_have_sm90=() if impl == "ring" else ("ld.global.v4",),
         ))
+    for impl in ("prefetch", "staged"):   # as the two-phase state pass runs them: programmatic dependent launch
+        out.append(Variant(
+            "affine_merge", f"affine_merge_k128_v128_{impl}_starts_pdl",
+            lambda d, impl=impl: compile_affine_merge(128, 128, False, impl, dump_dir=d, starts_only=True, pdl=True),
+            ptx_must_have=("griddepcontrol.wait", "griddepcontrol.launch_dependents", "fma.rn.f32"),
+        ))
+    out.append(Variant(
+        "affine_merge", "affine_merge_k128_v128_tc_starts_pdl",
+        lambda d: compile_affine_merge(128, 128, False, "tc", dump_dir=d, starts_only=True, pdl=True),
+        ptx_must_have=("griddepcontrol.wait", "wgmma.mma_async.sync.aligned.m64n128k16"),
+        archs=("sm_90a",),
+    ))
     for init, so in [(True, False), (False, True), (False, False)]:   # the tensor-core chain (SM90 only)
         out.append(Variant(
             "affine_merge", f"affine_merge_k128_v128{'_init' if init else ''}_tc" + ("_starts" if so else ""),
@@ -115,16 +127,18 @@ def _variants() -> list[Variant]:
         op, tag = ("chunk_kda", "kda") if kda else ("chunk_gated_delta_rule", "gdn")
         out.append(Variant(
             op, f"{tag}_chunk_prep_sm90_bfloat16",
-            lambda d, kda=kda: compile_chunk_prep(torch.bfloat16, torch.bfloat16, kda, slim=False, dump_dir=d),
-            ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "st.global.v4"),
+            lambda d, kda=kda: compile_chunk_prep(torch.bfloat16, torch.bfloat16, kda, slim=False, dump_dir=d,
+                                                  pdl=True),
+            ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "st.global.v4",
+                           "griddepcontrol.launch_dependents"),
             archs=("sm_90a",),
         ))
         if not kda:   # GDN's slim phase 1: two CTAs per SM, 288 threads, no register reallocation
             out.append(Variant(
                 op, f"{tag}_chunk_prep_sm90_bfloat16_slim",
-                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=True, dump_dir=d),
+                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=True, dump_dir=d, pdl=True),
                 ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4", ".minnctapersm 2",
-                               ".reqntid 288"),
+                               ".reqntid 288", "griddepcontrol.launch_dependents"),
                 archs=("sm_90a",),
             ))
         for mode, init, final in (("forward", True, True), ("summary", False, False),
@@ -136,9 +150,9 @@ def _variants() -> list[Variant]:
                     + ("_rs" if rs else ""),
                     lambda d, kda=kda, mode=mode, init=init, final=final, rs=rs: compile_state_pass(
                         torch.bfloat16, kda, init, final, mode=mode, dump_dir=d, rs=rs, ring_decay=rs, tma_o=False,
-                        pair=False),
+                        pair=False, pdl=rs),
                     ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc")
-                    + (("wgmma.mma_async.sync.aligned.m64n128k16",) if rs else ()),
+                    + (("wgmma.mma_async.sync.aligned.m64n128k16", "griddepcontrol.wait") if rs else ()),
                     archs=("sm_90a",),
                 ))
             out.append(Variant(   # pair: both V blocks of a tile in one CTA, two consumer warpgroups on one ring

@@ -47,6 +47,8 @@ class AffineMerge:
     - `impl="ring"` (256 threads, 8 columns, `ring_kernel`): M[s] and h_ext[s] stream into a 3-stage shared-memory
       ring by cp.async, issued two segments ahead (commit/wait groups, no mbarriers), so the load latency is
       off the serial chain: per segment one group wait, three CTA barriers and the K x 8 x K products.
+    `pdl` (any impl): launched with programmatic dependent launch after the summary launch; `pdl_start` waits for it
+    before the first read.
     """
 
     def __init__(self, k_dim: int, v_dim: int, has_initial_state: bool, impl: str = "simt", starts_only: bool = False,

@@ -37,6 +37,9 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     staged in the k tile and u in the v tile it replaces (each warpgroup overwrites only the 64 columns its own
     product read).
 
+    `pdl`: every CTA starts with `griddepcontrol.launch_dependents`, so a state pass launched with PDL starts its
+    prologue once this grid's last wave has begun (it waits for the whole grid before reading the terms).
+
     `profile` (diagnostics only; its eg output is not written): consumer thread 0 sums clock64 cycles per step of
     every chunk -- (0) gates, (1) the q/k/v wait, (2) Akk/Aqk, (3) qg/kg stores (slim), (4) solve, (5) w/u
     products, (6) global stores + release -- and writes them, its chunk count (7) and the CTA's whole time (8) as

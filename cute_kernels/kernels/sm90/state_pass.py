@@ -75,6 +75,10 @@ class ChunkStatePassSm90:
     the two take turns at the tensor cores (named-barrier ping-pong, tried and removed): two chains per SM give
     ~1.3x the chunks per SM per us at ~1.6x the latency per chain. Off by default (`STATE_PAIR`).
 
+    `pdl`: launched with programmatic dependent launch: every thread runs `griddepcontrol.wait` after the
+    barrier setup, before any global read (phase 1's terms, the merge's start states), then
+    `griddepcontrol.launch_dependents` so the next launch can start its own prologue.
+
     `profile` (rs, diagnostics only): the consumer sums clock64 cycles per phase of every chunk -- (0) exp(G_last)
     load and ring wait, (1) first products and their wait, (2) subtraction and conversion of v_new, (4) second
     products issued, o's wait and o^T stored, (3) the state update's wait and the release -- and thread 0 of the

@@ -334,8 +334,9 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     u_fast = (STATE_U_FAST and rs) if u_fast is None else u_fast
     tma_o = (STATE_O_TMA and rs) if tma_o is None else tma_o
     pair = (state_pair() and rs and ring_decay and not tma_o and not u_fast) if pair is None else pair
+    pdl = PDL if pdl is None else pdl
     key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
-           profile, ring_decay, tma_o, u_fast, pair, PDL if pdl is None else pdl)
+           profile, ring_decay, tma_o, u_fast, pair, pdl)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -348,7 +349,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
         io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
                                     num_stages=num_stages, profile=profile, ring_decay=ring_decay, tma_o=tma_o,
-                                    u_fast=u_fast, pair=pair, pdl=PDL if pdl is None else pdl)
+                                    u_fast=u_fast, pair=pair, pdl=pdl)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg

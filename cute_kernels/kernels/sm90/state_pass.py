@@ -115,7 +115,7 @@ class ChunkStatePassSm90:
         self.profile = profile
         if (ring_decay or tma_o or u_fast) and not rs:
             raise ValueError("ring_decay / tma_o / u_fast are rs-consumer options (rs=True)")
-        if pair and not (rs and ring_decay) or pair and (tma_o or u_fast):
+        if pair and (not (rs and ring_decay) or tma_o or u_fast):
             raise ValueError("pair needs rs=True and ring_decay=True, without tma_o / u_fast")
         self.u_fast = u_fast
         self.ring_decay = ring_decay

@@ -118,7 +118,6 @@ def time_chain():
             launch = (schedule.table_on(prep.u.device), schedule.num_tiles, schedule.grid[0])
             dummy = torch.empty((1, 1, 128, 128), dtype=torch.float32, device="cuda")
             terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
-            grid = schedule.grid[0]
             line, outs = [], []
             for name, (td, to, uf) in variants.items():
                 plain = two_phase.compile_state_pass(torch.bfloat16, kda, False, False, rs=True,
@@ -138,21 +137,28 @@ def time_chain():
                 td, to, uf = variants[name]
                 fn = two_phase.compile_state_pass(torch.bfloat16, kda, False, False, rs=True, profile=True,
                                                   ring_decay=td, tma_o=to, u_fast=uf).fn
-                stamps = torch.zeros((1, 1, 128, 128), dtype=torch.float32, device="cuda")
-                o = torch.empty_like(prep.u)
-                t_prof = graph_us(lambda: fn(*terms, o, dummy, stamps, *launch))
-                stamps.zero_()
-                fn(*terms, o, dummy, stamps, *launch)
-                torch.cuda.synchronize()
-                p = stamps.flatten()[: 8 * grid].view(grid, 8).double()
-                chunks = p[:, 4].sum().item()
-                cyc = (p[:, [0, 1, 2, 5, 3]].sum(0) / chunks).tolist()
+                t_prof, per_chunk_us, cyc = chain_profile(fn, terms, prep.u, launch)
                 total = sum(cyc)
-                per_chunk_us = t_prof / (chunks / grid)
                 print(f"  profile {name}: {t_prof:.1f} us ({per_chunk_us:.2f} us/chunk, {total:.0f} cycles/chunk -> "
                       f"{total / per_chunk_us / 1e3:.2f} GHz) | cycles per chunk: wait+eg {cyc[0]:.0f}, products 1 "
                       f"{cyc[1]:.0f}, v_new (sub+cvt) {cyc[2]:.0f}, issue 2+o wait+o stores {cyc[3]:.0f}, "
                       f"update wait+release {cyc[4]:.0f}", flush=True)
+
+
+def chain_profile(fn, terms, u, launch):
+    """Run a state-pass profile build (`fn`, its tile table `launch`): (GPU time, us per chunk along a CTA's chain,
+    cycles per chunk of its phases [wait, products 1, v_new, issue 2 + o, update wait + release])."""
+    grid = launch[2]
+    dummy = torch.empty((1, 1, 128, 128), dtype=torch.float32, device="cuda")
+    stamps = torch.zeros((1, 1, 128, 128), dtype=torch.float32, device="cuda")
+    o = torch.empty_like(u)
+    t_prof = graph_us(lambda: fn(*terms, o, dummy, stamps, *launch))
+    stamps.zero_()
+    fn(*terms, o, dummy, stamps, *launch)
+    torch.cuda.synchronize()
+    p = stamps.flatten()[: 8 * grid].view(grid, 8).double()
+    chunks = p[:, 4].sum().item()
+    return t_prof, t_prof / (chunks / grid), (p[:, [0, 1, 2, 5, 3]].sum(0) / chunks).tolist()
 
 
 def time_prep_profile():
@@ -269,24 +275,14 @@ def pair_profile():
     for B, H, T in [(1, 4, 8192), (2, 16, 8192)]:
         x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
         prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=False)
-        dummy = torch.empty((1, 1, 128, 128), dtype=torch.float32, device="cuda")
         terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
         for name, pair in (("one block", False), ("pair", True)):
             schedule, _ = two_phase._state_pass_schedules(B, T, H, 128, 1, False, None, prep.u.device, pair)
             launch = (schedule.table_on(prep.u.device), schedule.num_tiles, schedule.grid[0])
-            grid = schedule.grid[0]
             fn = two_phase.compile_state_pass(torch.bfloat16, False, False, False, rs=True, profile=True,
                                               ring_decay=True, tma_o=False, u_fast=False, pair=pair).fn
-            stamps = torch.zeros((1, 1, 128, 128), dtype=torch.float32, device="cuda")
-            o = torch.empty_like(prep.u)
-            t_prof = graph_us(lambda: fn(*terms, o, dummy, stamps, *launch))
-            stamps.zero_()
-            fn(*terms, o, dummy, stamps, *launch)
-            torch.cuda.synchronize()
-            p = stamps.flatten()[: 8 * grid].view(grid, 8).double()
-            chunks = p[:, 4].sum().item()
-            cyc = (p[:, [0, 1, 2, 5, 3]].sum(0) / chunks).tolist()
-            print(f"gdn profile B={B} H={H} T={T} {name}: {t_prof:.1f} us ({t_prof / (chunks / grid):.2f} us/chunk) "
+            t_prof, per_chunk, cyc = chain_profile(fn, terms, prep.u, launch)
+            print(f"gdn profile B={B} H={H} T={T} {name}: {t_prof:.1f} us ({per_chunk:.2f} us/chunk) "
                   f"| cycles per chunk: wait {cyc[0]:.0f}, products 1 {cyc[1]:.0f}, v_new {cyc[2]:.0f}, issue 2 + o "
                   f"{cyc[3]:.0f}, update wait + release {cyc[4]:.0f} (sum {sum(cyc):.0f})", flush=True)
 

@@ -313,21 +313,13 @@ def time_pdl():
                   + f" | bitwise equal {same}, NaN {nan}", flush=True)
 
 
+MODES = {"pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+         "prep": time_prep, "state": time_state, "chain": time_chain}
+
+
 def main():
-    if sys.argv[1:] == ["pdl"]:
-        return time_pdl()
-    if sys.argv[1:] == ["pair"]:
-        return time_pair()
-    if sys.argv[1:] == ["paths"]:
-        return time_paths()
-    if sys.argv[1:] == ["prep-profile"]:
-        return time_prep_profile()
-    if sys.argv[1:] == ["prep"]:
-        return time_prep()
-    if sys.argv[1:] == ["state"]:
-        return time_state()
-    if sys.argv[1:] == ["chain"]:
-        return time_chain()
+    if len(sys.argv) == 2 and sys.argv[1] in MODES:
+        return MODES[sys.argv[1]]()
     for op in ("gdn", "kda"):
         kda = op == "kda"
         _, peer = ops.load_peer(op)

@@ -42,7 +42,8 @@ def _variants() -> list[Variant]:
             (128, 128, True, "staged"), (64, 64, False, "staged"), (128, 128, False, "staged", so),
             (128, 128, True, "prefetch"), (128, 128, False, "prefetch"), (64, 64, False, "prefetch"),
             (128, 128, False, "prefetch", so), (128, 128, True, "prefetch", so),
-            (128, 128, True, "ring"), (128, 128, False, "ring"), (64, 64, False, "ring"), (128, 128, False, "ring", so)]:
+            (128, 128, True, "ring"), (128, 128, False, "ring"), (64, 64, False, "ring"), (128, 128, False, "ring", so),
+            (128, 128, True, "regs"), (128, 128, False, "regs", so)]:
         staged = impl != "simt"
         starts_only = bool(flag)
         out.append(Variant(
@@ -53,10 +54,11 @@ def _variants() -> list[Variant]:
             # 16-byte global loads: ld.global.v4.b32 (sm_90a) or ld.global.v2.b64 (sm_100a, staged copy); the ring
             # streams M by 16-byte cp.async instead
             ptx_must_have=("fma.rn.f32", "bar.sync") + (("ld.shared.v4",) if staged else ("ld.global.v4",))
-            + (("cp.async.ca.shared.global", "cp.async.wait_group") if impl == "ring" else ()),
+            + (("cp.async.ca.shared.global", "cp.async.wait_group") if impl == "ring" else ())
+            + (("shfl.sync.bfly", "st.shared.v") if impl == "regs" else ()),   # 16-byte state stores
             ptx_must_have_sm90=() if impl == "ring" else ("ld.global.v4",),
         ))
-    for impl in ("prefetch", "staged"):   # as the two-phase state pass runs them: programmatic dependent launch
+    for impl in ("prefetch", "staged", "regs"):   # as the two-phase state pass runs them: programmatic dependent launch
         out.append(Variant(
             "affine_merge", f"affine_merge_k128_v128_{impl}_starts_pdl",
             lambda d, impl=impl: compile_affine_merge(128, 128, False, impl, dump_dir=d, starts_only=True, pdl=True),

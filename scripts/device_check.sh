@@ -2,7 +2,7 @@
 # Build, check and time on the GPU machine in one call (see README "Running on the H200").
 # Usage (from the repo root, after `source .wheelhouse/b/install.sh`):
 #   bash scripts/device_check.sh [tests] [gpu-tests] [gdn-tests] [seg-tests] [merge-tests] [gdn-smoke] [gdn-profile] [kda-profile]
-#                                [host] [merge-time] [two-phase] [two-phase-tests] [two-phase-quick] [prep-time] [state-time] [state-profile] [pair] [bench-OP-GRID] ...
+#                                [host] [merge-time] [two-phase] [two-phase-tests] [two-phase-quick] [prep-time] [state-time] [state-profile] [pair] [regs] [bench-OP-GRID] ...
 #   e.g. BENCH_ARGS=--graph bash scripts/device_check.sh gdn-smoke gdn-tests bench-gdn-large
 # Logs and JSON go to $OUT (or ./device_out), so they come back with the call.
 set -uo pipefail
@@ -46,6 +46,15 @@ for stage in $stages; do
       timeout -s INT -k 20 $t python3 -m pytest tests/test_two_phase.py -q -p no:cacheprovider 2>&1 | tee "$out/two_phase_tests.log" | tail -5
       status=$((status | ${PIPESTATUS[0]}))
       timeout -s INT -k 20 $t python3 scripts/time_two_phase.py 2>&1 | tee "$out/two_phase_time.log" | grep -v Warn
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    regs)   # the `regs` affine merge: its tests, the merges' times, the op's two-phase tests with it forced, the op
+      timeout -s INT -k 20 $t python3 -m pytest tests/test_merge.py -q --tb=short -p no:cacheprovider -k "regs or prefetch" 2>&1 | tee "$out/regs_merge_tests.log" | tail -6
+      status=$((status | ${PIPESTATUS[0]}))
+      MERGE_IMPLS=prefetch,regs,tc timeout -s INT -k 20 $t python3 scripts/time_merges.py 2>&1 | tee "$out/regs_merge_time.log" | grep -v Warn
+      status=$((status | ${PIPESTATUS[0]}))
+      CUTE_KERNELS_AFFINE_MERGE=regs timeout -s INT -k 20 $t python3 -m pytest tests/test_two_phase.py tests/test_gdn_sm90.py -q --tb=short -p no:cacheprovider -k "(two_phase_matches_reference and rs- and (True-3 or True-32 or False-8)) or (two_phase and varlen)" 2>&1 | tee "$out/regs_op_tests.log" | tail -6
+      status=$((status | ${PIPESTATUS[0]}))
+      timeout -s INT -k 20 $t python3 scripts/time_two_phase.py merge 2>&1 | tee "$out/regs_op_time.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
     two-phase-tests)
       timeout -s INT -k 20 $t python3 -m pytest tests/test_two_phase.py -q -p no:cacheprovider 2>&1 | tee "$out/two_phase_tests.log" | tail -5

@@ -1,23 +1,29 @@
-"""Time the merge kernels on the GPU (do_bench medians) against their byte floors; prints one line each."""
+"""Time the merge kernels on the GPU against their byte floors; prints one line each. Affine merges: GPU time from
+CUDA-graph replay (time_two_phase.graph_us: a short merge would otherwise time the host checks); LSE merges:
+do_bench medians."""
+
+import os
 
 import torch
 import triton.testing as tt
 
 import cute_kernels as ck
+from time_two_phase import graph_us
 import cute_kernels.ops.merge as merge_ops
 
 BW = 4.2e12
 dev = "cuda"
+IMPLS = os.environ.get("MERGE_IMPLS", "simt,staged,prefetch,ring,regs,tc").split(",")
 
-for impl, N, S, H in [(i, n, s, h) for i in ("simt", "staged", "prefetch", "ring", "tc") for n, s, h in [(1, 32, 4), (4, 8, 16), (1, 64, 4)]]:
+for impl, N, S, H in [(i, n, s, h) for i in IMPLS for n, s, h in [(1, 32, 4), (4, 8, 16), (1, 16, 4), (1, 8, 8)]]:
     merge_ops.AFFINE_MERGE_IMPL = impl
     M = torch.randn(N * S, H, 128, 128, device=dev) * 0.05
     h = torch.randn(N * S, H, 128, 128, device=dev)
     offs = torch.arange(0, N * S + 1, S, device=dev, dtype=torch.int32)
     ck.affine_merge(M, h, offs)
-    t = tt.do_bench(lambda: ck.affine_merge(M, h, offs), warmup=25, rep=100, return_mode="median") * 1e3
+    t = graph_us(lambda: ck.affine_merge(M, h, offs))
     bytes_ = (M.numel() + 2 * h.numel()) * 4
-    print(f"affine_merge[{impl}] N={N} segs={S} H={H}: {t:.1f} us, floor {bytes_ / BW * 1e6:.1f} us (bytes), "
+    print(f"affine_merge[{impl}] N={N} segs={S} H={H}: {t:.1f} us ({t / S:.2f} per segment), floor {bytes_ / BW * 1e6:.1f} us (bytes), "
           f"{N * S * H * 2 * 128**3 / t / 1e6:.2f} TFLOP/s fp32")
 for S, R in [(16, 4 * 32), (8, 64 * 32)]:
     o = torch.randn(S, R, 128, device=dev)

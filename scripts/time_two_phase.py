@@ -10,6 +10,7 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py paths      # large B x H: fused vs two-phase (forced), GDN and KDA, FLA beside
     python3 scripts/time_two_phase.py pair       # phase 2 with both V blocks per CTA (`pair`) vs one, then the op
     python3 scripts/time_two_phase.py pdl        # the op with programmatic dependent launch off / on
+    python3 scripts/time_two_phase.py merge      # the op with the affine merge `prefetch` vs `regs`, FLA beside
 """
 
 import os
@@ -313,7 +314,35 @@ def time_pdl():
                   + f" | bitwise equal {same}, NaN {nan}", flush=True)
 
 
-MODES = {"pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+def time_merge():
+    """The op ("auto" path, its own segment count for each merge variant's link cost) with the affine merge forced
+    to each of MERGE_IMPLS (default prefetch,regs), FLA in the same run: GPU time from graph replay, the segment
+    count chosen, max relative error against FLA, NaN. MERGE_OPS=gdn,kda picks the ops."""
+    from cute_kernels.ops import merge as merge_ops
+
+    cells = [(1, 4, 2048), (1, 4, 4096), (1, 4, 8192), (1, 4, 16384), (1, 8, 8192), (2, 4, 16384), (1, 16, 4096)]
+    impls = os.environ.get("MERGE_IMPLS", "prefetch,regs").split(",")
+    for op in os.environ.get("MERGE_OPS", "gdn,kda").split(","):
+        ours, _ = ops.load_ours(op)
+        _, peer = ops.load_peer(op)
+        for B, H, T in cells:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            want = peer(x)
+            tf = graph_us(lambda: peer(x), calls=5, reps=5)
+            line = [f"FLA {tf:.1f} us"]
+            for impl in impls:
+                merge_ops.AFFINE_MERGE_IMPL = impl
+                got = ops.call_ours(op, ours, x)
+                plan = la.last_plan() or ""
+                n = plan.split("segments per sequence: ")[1].split(" ")[0] if "segments per sequence: " in plan else "?"
+                t = graph_us(lambda: ops.call_ours(op, ours, x), calls=5, reps=5)
+                nan = any(y.isnan().any().item() for y in ops.output_tensors(got) if y is not None)
+                line.append(f"{impl} N={n} {t:.1f} us ({tf / t:.2f}x, err {ops.max_rel_err(got, want):.1e}, NaN {nan})")
+            merge_ops.AFFINE_MERGE_IMPL = "auto"
+            print(f"{op} op B={B} H={H} T={T}: " + " | ".join(line), flush=True)
+
+
+MODES = {"merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}
 
 

@@ -60,7 +60,7 @@ def test_lse_merge_bad_input():
 @requires_gpu
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 64), (128, 64)])
 @pytest.mark.parametrize("with_init", [True, False])
-@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring", "tc"])
+@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring", "regs", "tc"])
 def test_affine_merge_matches_reference(K, V, with_init, impl, monkeypatch):
     import cute_kernels.ops.merge as merge_ops
 
@@ -87,7 +87,7 @@ def test_affine_merge_matches_reference(K, V, with_init, impl, monkeypatch):
 
 @requires_gpu
 @pytest.mark.parametrize("with_init", [True, False])
-@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring", "tc"])
+@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring", "regs", "tc"])
 def test_affine_merge_starts_only_never_reads_unneeded_summaries(with_init, impl, monkeypatch):
     """The segmented forward leaves each sequence's last summary (and, without an initial state, the first M)
     unwritten: NaN there must not reach any start state."""
@@ -117,7 +117,7 @@ def test_affine_merge_starts_only_never_reads_unneeded_summaries(with_init, impl
 
 
 @requires_gpu
-@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring", "tc"])
+@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring", "regs", "tc"])
 def test_affine_merge_long_chain(impl, monkeypatch):
     import cute_kernels.ops.merge as merge_ops
 
@@ -186,10 +186,12 @@ def test_lse_merge_schedule_layout():
 
 
 def test_merge_variant_choice(monkeypatch):
-    """'auto' takes prefetch while its grid (V/8 x heads x sequences) fits one CTA per SM, else tc at K = 128, else
-    staged; a variant that does not fit the sizes falls back to one that does; unsupported sizes name K and V."""
+    """'auto' takes regs (K = 128) or prefetch while their grid (V/8 x heads x sequences) fits one CTA per SM, else
+    tc at K = 128, else staged; a variant that does not fit the sizes falls back to one that does; unsupported
+    sizes name K and V."""
     monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "auto")
-    assert merge_ops.merge_impl_for(1, 4, 128, 128, 132) == "prefetch"      # 64 CTAs
+    assert merge_ops.merge_impl_for(1, 4, 128, 128, 132) == "regs"          # 64 CTAs
+    assert merge_ops.merge_impl_for(1, 4, 64, 64, 132) == "prefetch"        # 32 CTAs, K = 64: no regs
     assert merge_ops.merge_impl_for(4, 16, 128, 128, 132) == "tc"           # 1024 prefetch CTAs, K = 128
     assert merge_ops.merge_impl_for(4, 16, 64, 128, 132) == "staged"        # K = 64: no tc
     monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "staged")
@@ -199,6 +201,9 @@ def test_merge_variant_choice(monkeypatch):
         merge_ops.merge_impl_for(1, 1, 48, 128, 132)
     monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "tc")                # tensor cores: K = 128 only
     assert merge_ops.merge_impl_for(1, 4, 128, 128, 132) == "tc"
+    assert merge_ops.merge_impl_for(1, 4, 64, 64, 132) == "simt"
+    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "regs")              # K = 128 only
+    assert merge_ops.merge_impl_for(1, 4, 128, 64, 132) == "regs"
     assert merge_ops.merge_impl_for(1, 4, 64, 64, 132) == "simt"
     monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "fast")
     with pytest.raises(ValueError, match="CUTE_KERNELS_AFFINE_MERGE"):

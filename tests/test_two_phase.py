@@ -364,6 +364,12 @@ def test_auto_path_choice(monkeypatch):
         assert choice.two_phase_us >= la.TWO_PHASE_MARGIN * choice.fused_us   # (GDN: within the margin)
         assert la._two_phase_segments(SegmentScheduler(num_segments=4), 1, 8192, 4, None, cpu, kda, False) is None
         assert la._last_choice is None
+    # GDN, B=1 H=4 (H200, graph replay): fused 12.5 us at T=64 (one chunk), 19.1 at T=128 against two-phase 13.3 --
+    # the fused launch's fixed cost (FUSED_LAUNCH_US) decides T=128; eager calls stay fused (host-bound).
+    for T, two in [(64, False), (128, True)]:
+        la._two_phase_segments(None, 1, T, 4, None, cpu, False, False)
+        choice, ran = la._last_choice
+        assert choice.two_phase == two and not ran, (T, choice.two_phase_us, choice.fused_us)
     monkeypatch.setattr(la, "TWO_PHASE", "1")
     assert la._two_phase_segments(None, 16, 4096, 64, None, cpu, False, False) == 1
     assert la._last_choice[1] and "path: two-phase" in la.last_plan()

@@ -19,6 +19,8 @@ from cutlass import Float32
 
 from .merge_config import AFFINE_MERGE_CONFIG, affine_merge_fits
 
+REGS_TILE = 32 * 36   # `regs`: floats per state tile (K = 128, 8 columns, 4 floats of padding per 4 rows)
+
 
 class AffineMerge:
     """Start state of every segment and the final state, from per-segment summaries.
@@ -47,6 +49,14 @@ class AffineMerge:
     - `impl="ring"` (256 threads, 8 columns, `ring_kernel`): M[s] and h_ext[s] stream into a 3-stage shared-memory
       ring by cp.async, issued two segments ahead (commit/wait groups, no mbarriers), so the load latency is
       off the serial chain: per segment one group wait, three CTA barriers and the K x 8 x K products.
+    - `impl="regs"` (K = 128 only; 256 threads, 8 columns, `regs_kernel`): M never goes through shared memory.
+      Thread (row group rg, k group kg) keeps M[4 rg .. 4 rg + 3, its 16 k's] in registers (the next segment's
+      block prefetched into a second set while this one is computed), multiplies it by the 16 x 8 slice of the
+      running state it needs (read from a padded, swizzled smem tile: 2 pair-shared LDS.128 per k), and the 8
+      k groups of a warp sum their partial 4 x 8 blocks by a 3-step butterfly that leaves each lane 4 finished
+      outputs (one row, 4 columns). Per segment: 32 LDS.128, 512 FMA, 28 shuffles per thread and one CTA
+      barrier (the state tile is double-buffered); the other variants' mac is bound by ~5k shared-memory
+      wavefronts per segment (each thread re-reads M rows from smem for every 4 FMA).
     `pdl` (any impl): launched with programmatic dependent launch after the summary launch; `pdl_start` waits for it
     before the first read.
     """
@@ -84,7 +94,11 @@ class AffineMerge:
     ):
         num_seqs = final_state.shape[0]
         num_heads = final_state.shape[1]
-        kernel = self.ring_kernel if cutlass.const_expr(self.impl == "ring") else self.kernel
+        kernel = self.kernel
+        if cutlass.const_expr(self.impl == "ring"):
+            kernel = self.ring_kernel
+        if cutlass.const_expr(self.impl == "regs"):
+            kernel = self.regs_kernel
         kernel(m, h_ext, seg_offsets, initial_state, start_states, final_state).launch(
             grid=[self.v_dim // self.block_v, num_heads, num_seqs],
             block=[self.num_threads, 1, 1],
@@ -227,6 +241,137 @@ class AffineMerge:
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         self.store_end(s_tile, start_states, final_state, first, last, seq, head, row0, col, v)
+
+    # ---------------------------------------------------------------- impl="regs"
+    # Thread roles: lane = 4 kg + r (kg: k group 0..7, r: row group within the warp 0..3), rg = 4 warp + r.
+    # The thread's k's: 32 q + 4 kg + e (q, e in 0..3: 16-byte pieces of M rows, coalesced across kg).
+    # Its 4 x 8 partial block is held in a lane-dependent order (local row i = global row i ^ (2 b4 + b3), local
+    # column c = global column c ^ 4 b2, with b4 b3 b2 = kg's bits) so that every butterfly step keeps the first
+    # half of its values and sends the second: after the steps over lane bits 4, 3, 2 the lane holds global row
+    # 4 rg + 2 b4 + b3, columns 4 b2 .. 4 b2 + 3 -- its "own" outputs, kept in registers (`cur`) between segments.
+    # State tile in smem (fp32, two buffers of REGS_TILE floats): S[k, c] at 36 (k // 4) + 8 (k % 4) + 4 p + c % 4
+    # with p = (c // 4) ^ ((k // 4) & 1): the 8 k groups' reads of one instruction hit 8 different 4-bank groups,
+    # and each lane finds its local column piece at the physical piece it asks for.
+
+    @cute.kernel
+    def regs_kernel(
+        self,
+        m: cute.Tensor,
+        h_ext: cute.Tensor,
+        seg_offsets: cute.Tensor,
+        initial_state: cute.Tensor,
+        start_states: cute.Tensor,
+        final_state: cute.Tensor,
+    ):
+        self.pdl_start()
+        tid, _, _ = cute.arch.thread_idx()
+        vt, head, seq = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+        kg = lane // 4
+        rg = 4 * warp + lane % 4
+        b4 = (kg >> 2) & 1
+        b3 = (kg >> 1) & 1
+        b2 = kg & 1
+        row_x = 2 * b4 + b3          # local row i <-> global row 4 rg + (i ^ row_x)
+        own_row = 4 * rg + row_x     # the row of this lane's finished outputs
+        v0 = vt * 8 + 4 * b2         # ... and their first global column
+
+        smem = cutlass.memory.SmemAllocator()
+        s_flat = smem.allocate_tensor(Float32, cute.make_layout((2 * REGS_TILE,)), 16)
+        # M's block and h_ext's values of this segment (`m_cur`, `h_cur`) and of the next one (loaded while this one
+        # is computed). An unrolled-by-two loop with the two sets alternating (no copies) took 244 registers and was
+        # slower (1.91 vs 1.71 us per segment, H200).
+        m_cur = cute.make_rmem_tensor((64,), Float32)     # [i][q][e]: M[4 rg + (i ^ row_x), 32 q + 4 kg + e]
+        m_next = cute.make_rmem_tensor((64,), Float32)
+        h_cur = cute.make_rmem_tensor((4,), Float32)
+        h_next = cute.make_rmem_tensor((4,), Float32)
+        cur = cute.make_rmem_tensor((4,), Float32)        # this lane's outputs of the running state
+        part = cute.make_rmem_tensor((32,), Float32)      # [i][c] partial sums over this thread's k's
+        s_row = cute.make_rmem_tensor((8,), Float32)
+
+        if cutlass.const_expr(self.has_initial_state):
+            cute.autovec_copy(cute.local_tile(initial_state[seq, head, own_row, None], (4,), (v0 // 4,)), cur)
+        else:
+            for j in cutlass.range_constexpr(4):
+                cur[j] = Float32(0.0)
+        own_piece = 9 * rg + 2 * row_x + (b2 ^ (rg & 1))   # 16-byte index of this lane's outputs in a tile
+        cute.autovec_copy(cur, cute.local_tile(s_flat, (4,), (own_piece,)))
+
+        first = seg_offsets[seq]
+        last = seg_offsets[seq + 1]
+        end = last - 1 if self.starts_only else last   # segments whose summary is applied
+        if first < last:
+            self.regs_load(m, h_ext, first, head, rg, kg, row_x, own_row, v0, m_next, h_next)
+        cute.arch.sync_threads()
+
+        thread = (head, rg, kg, row_x, own_row, v0, own_piece)
+        for slot in cutlass.range(first, end):
+            for f in cutlass.range_constexpr(64):
+                m_cur[f] = m_next[f]
+            for j in cutlass.range_constexpr(4):
+                h_cur[j] = h_next[j]
+            self.regs_link(m, h_ext, start_states, slot, first, last, (slot - first) % 2, thread, m_cur, h_cur, m_next,
+                           h_next, cur, part, s_row, s_flat)
+
+        if cutlass.const_expr(self.starts_only):
+            if first < last:
+                cute.autovec_copy(cur, cute.local_tile(start_states[last - 1, head, own_row, None], (4,),
+                                                       (v0 // 4,)))
+        else:
+            cute.autovec_copy(cur, cute.local_tile(final_state[seq, head, own_row, None], (4,), (v0 // 4,)))
+
+    @cute.jit
+    def regs_link(self, m: cute.Tensor, h_ext: cute.Tensor, start_states: cute.Tensor, slot, first, last, buf, thread,
+                  m_cur: cute.Tensor, h_cur: cute.Tensor, m_next: cute.Tensor, h_next: cute.Tensor, cur: cute.Tensor,
+                  part: cute.Tensor, s_row: cute.Tensor, s_flat: cute.Tensor):
+        """`regs`: one link of the chain, S <- M[slot] S + h_ext[slot] (M's block and h_ext's values in m_cur, h_cur;
+        state tile `buf` read, the other written) while segment slot + 1 loads into m_next, h_next."""
+        head, rg, kg, row_x, own_row, v0, own_piece = thread
+        nxt = slot + 1
+        if nxt >= last:
+            nxt = slot      # the last segment reloads itself: harmless, and no branch
+        self.regs_load(m, h_ext, nxt, head, rg, kg, row_x, own_row, v0, m_next, h_next)
+        cute.autovec_copy(cur, cute.local_tile(start_states[slot, head, own_row, None], (4,), (v0 // 4,)))
+        for f in cutlass.range_constexpr(32):
+            part[f] = Float32(0.0)
+        if cutlass.const_expr(self.has_initial_state):
+            self.regs_mac(part, m_cur, s_flat, s_row, buf, kg)
+        else:
+            if slot != first:   # the first start is zero: M[first] is not read
+                self.regs_mac(part, m_cur, s_flat, s_row, buf, kg)
+        # Butterfly over lane bits 4, 3, 2: keep the first half, add the partner's copy of it.
+        for step in cutlass.range_constexpr(3):
+            n = 16 >> step
+            for j in cutlass.range_constexpr(n):
+                part[j] = part[j] + cute.arch.shuffle_sync_bfly(part[n + j], offset=16 >> step)
+        for j in cutlass.range_constexpr(4):
+            cur[j] = part[j] + h_cur[j]
+        cute.autovec_copy(cur, cute.local_tile(s_flat, (4,), ((1 - buf) * (REGS_TILE // 4) + own_piece,)))
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def regs_mac(self, part: cute.Tensor, m_cur: cute.Tensor, s_flat: cute.Tensor, s_row: cute.Tensor, buf, kg):
+        """`regs`: part[i, c] += sum over this thread's k's (ascending q, e) of M[row i, k] S[k, column c]."""
+        for q in cutlass.range_constexpr(4):
+            for e in cutlass.range_constexpr(4):
+                piece = buf * (REGS_TILE // 4) + 9 * (8 * q + kg) + 2 * e
+                cute.autovec_copy(cute.local_tile(s_flat, (4,), (piece,)), cute.local_tile(s_row, (4,), (0,)))
+                cute.autovec_copy(cute.local_tile(s_flat, (4,), (piece + 1,)), cute.local_tile(s_row, (4,), (1,)))
+                for i in cutlass.range_constexpr(4):
+                    mv = m_cur[16 * i + 4 * q + e]
+                    for c in cutlass.range_constexpr(8):
+                        part[8 * i + c] = part[8 * i + c] + mv * s_row[c]
+
+    @cute.jit
+    def regs_load(self, m: cute.Tensor, h_ext: cute.Tensor, slot, head, rg, kg, row_x, own_row, v0,
+                  m_next: cute.Tensor, h_next: cute.Tensor):
+        """`regs`: segment `slot`'s M block of this thread (16 x 16-byte loads) and h_ext of its own outputs."""
+        for i in cutlass.range_constexpr(4):
+            for q in cutlass.range_constexpr(4):
+                cute.autovec_copy(cute.local_tile(m[slot, head, 4 * rg + (row_x ^ i), None], (4,), (8 * q + kg,)),
+                                  cute.local_tile(m_next, (4,), (4 * i + q,)))
+        cute.autovec_copy(cute.local_tile(h_ext[slot, head, own_row, None], (4,), (v0 // 4,)), h_next)
 
     @cute.jit
     def pdl_start(self):

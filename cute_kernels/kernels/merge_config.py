@@ -4,6 +4,7 @@ from __future__ import annotations
 
 # impl -> (threads per CTA, V columns per CTA)
 AFFINE_MERGE_CONFIG = {"simt": (128, 16), "staged": (256, 32), "prefetch": (256, 8), "ring": (256, 8),
+                       "regs": (256, 8),   # K = 128 only
                        "tc": (256, 64)}   # tc: kernels/sm90/affine_merge_tc.py (SM90 tensor cores, K = 128 only)
 
 
@@ -11,6 +12,8 @@ def affine_merge_fits(impl: str, k_dim: int, v_dim: int) -> bool:
     """Whether variant `impl` handles K = k_dim, V = v_dim (whole 16-byte M pieces per thread, whole V tiles)."""
     threads, block_v = AFFINE_MERGE_CONFIG[impl]
     if impl == "tc":
+        return k_dim == 128 and v_dim % block_v == 0
+    if impl == "regs":
         return k_dim == 128 and v_dim % block_v == 0
     return (k_dim % 4 == 0 and v_dim % block_v == 0 and (k_dim * block_v) % threads == 0
             and threads % block_v == 0 and (k_dim * k_dim // 4) % threads == 0)

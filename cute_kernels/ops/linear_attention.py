@@ -85,13 +85,20 @@ AUTO_SEGMENTS = os.environ.get("CUTE_KERNELS_AUTO_SEGMENTS", "1") == "1"
 # (session 11, `scripts/time_two_phase.py pair`, the op at B=8 H=16 T=4096 on the fused path: 962 and 975 us for
 # one wave of 64 chunks) -> 15.1 (was 16.4 before the vectorized solve; no "auto" choice on the seed grid changes).
 CHUNK_US = {False: 7.2, True: 15.1}
+# The fused launch's fixed cost on top of its chunks (prologue, first loads, launch), GDN on the H200 (session 12,
+# graph replay, B=1 H=4): T=64 12.5 us for one chunk, T=128 19.1 us for two -> ~5 us. Without it "auto" took the
+# fused path at T = 128 (predicted 14 us, measured 19.1) where the two-phase one takes 13.3 (session 10's table,
+# measured while CHUNK_US was still 9.5; the same choices as then on the seed grid). KDA: none -- its fused times at
+# small T are not linear in chunks (T=64 20.8 us, T=128 20.3) and its choices there were measured as they are.
+FUSED_LAUNCH_US = {False: 5.0, True: 0.0}
 # "auto" takes the two-phase path only where its predicted time is under this fraction of the fused kernel's: the
 # models fit measured times within ~5-10%, and inside that band the fused kernel (one launch, no phase-1 terms in
 # memory) is the safer choice (GDN at B*H = 128: two-phase predicted 0.97-1.03x of fused, measured never).
 TWO_PHASE_MARGIN = 0.95
 # ring measured slower than prefetch (scripts/time_merges.py: 139.7 vs 125.3 us for 32 segments x 4 heads).
 # tc: staged's 7.6 times their measured ratio with many chains (50.4 / 100.0 us, 4 x 8 segments x 16 heads).
-MERGE_LINK_US = {"simt": 23.8, "staged": 7.6, "prefetch": 3.9, "ring": 4.4, "tc": 3.8}
+# regs: 1.71-2.1 us per segment (scripts/time_merges.py, 32 x 4 heads and 8 x 8 heads).
+MERGE_LINK_US = {"simt": 23.8, "staged": 7.6, "prefetch": 3.9, "ring": 4.4, "regs": 1.8, "tc": 3.8}
 _auto_schedulers: dict = {}
 
 
@@ -324,7 +331,7 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
     if mode == "0" or (mode == "auto" and scheduler is not None):
         return None
     key = (mode, scheduler if mode == "1" else None, B, T, H, cu, kda, init, AUTO_SEGMENTS, device,
-           _two_phase_module().state_pair())
+           _two_phase_module().state_pair(), _merge.AFFINE_MERGE_IMPL)
     choice = _two_phase_plans.get(key)
     if choice is None:
         from schedulers import Problem, SegmentScheduler, segmented_cost_us
@@ -344,7 +351,7 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
 
             fused, _ = _schedule(None, B, T, H, cu, device, kda, init)
             cost = SegmentCost(chunk_us=CHUNK_US[kda], link_us=link, first_m=init)
-            t1 = segmented_cost_us(problem, fused.segmentation, cost, sms)
+            t1 = segmented_cost_us(problem, fused.segmentation, cost, sms) + FUSED_LAUNCH_US[kda]
             split1 = fused.segmentation.total_segments > problem.num_seqs
             e1 = max(t1, host_us(False, 3 if split1 else 1))
             e2 = max(t2, host_us(True, 4 if n > 1 else 2))

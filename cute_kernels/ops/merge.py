@@ -36,10 +36,14 @@ def _outputs(out, *specs):
 # K = 128: the chain on tensor cores with hi/lo bf16 splits, kernels/sm90/affine_merge_tc.py), H200 2026-12-03:
 # every merge test passes; 50.4 us for 4 x 8 segments x 16 heads (staged 100.0, prefetch 232.7), but 144.6 for
 # 32 segments x 4 heads (prefetch 121.9): one CTA per (sequence, head) loads all of each link's M, 64 KB.
-# "auto" (the default): prefetch while its grid fits one CTA per SM, else tc where K = 128, else staged.
+# "regs" (K = 128: M's blocks in registers, partial sums combined by warp shuffles), H200 2026-12-03, graph replay:
+# 1.71 us per segment for 32 segments x 4 heads (prefetch 3.63), 2.10 for 8 x 8 heads (prefetch 3.74), 16.4 for
+# 4 x 8 segments x 16 heads (tc 5.7): like prefetch, 16 CTAs per (sequence, head) each load all of every M.
+# "auto" (the default): while the 8-column grid fits one CTA per SM, regs where K = 128, else prefetch; beyond it
+# tc where K = 128, else staged.
 # Env CUTE_KERNELS_AFFINE_MERGE forces one.
 AFFINE_MERGE_IMPL = os.environ.get("CUTE_KERNELS_AFFINE_MERGE", "auto")
-AFFINE_MERGE_IMPLS = ("simt", "staged", "prefetch", "ring", "tc")
+AFFINE_MERGE_IMPLS = ("simt", "staged", "prefetch", "ring", "regs", "tc")
 _sm_counts: dict = {}
 
 
@@ -55,8 +59,10 @@ def merge_impl_for(num_seqs: int, num_heads: int, k_dim: int, v_dim: int, sms: i
     """The affine-merge variant a call of these sizes runs on a GPU of `sms` SMs (AFFINE_MERGE_IMPL, resolved)."""
     impl = AFFINE_MERGE_IMPL
     if impl == "auto":
-        impl = ("prefetch" if (v_dim // 8) * num_heads * num_seqs <= sms
-                else "tc" if affine_merge_fits("tc", k_dim, v_dim) else "staged")
+        if (v_dim // 8) * num_heads * num_seqs <= sms:
+            impl = "regs" if affine_merge_fits("regs", k_dim, v_dim) else "prefetch"
+        else:
+            impl = "tc" if affine_merge_fits("tc", k_dim, v_dim) else "staged"
     elif impl not in AFFINE_MERGE_IMPLS:
         raise ValueError(f"CUTE_KERNELS_AFFINE_MERGE must be 'auto' or one of {AFFINE_MERGE_IMPLS}, got {impl!r}")
     fits = [i for i in (impl,) + AFFINE_MERGE_IMPLS if affine_merge_fits(i, k_dim, v_dim)]

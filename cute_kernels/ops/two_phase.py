@@ -191,10 +191,12 @@ _plans: dict = {}
 
 
 def _cached_plan(cls, *key):
-    """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM and the STATE_* switches
-    of the state pass)."""
+    """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, the STATE_* switches
+    of the state pass, the affine-merge variant setting)."""
+    from . import merge
+
     full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
-            STATE_PAIR, PDL)
+            STATE_PAIR, PDL, merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:

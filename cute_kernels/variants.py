@@ -64,6 +64,11 @@ def _variants() -> list[Variant]:
             lambda d, impl=impl: compile_affine_merge(128, 128, False, impl, dump_dir=d, starts_only=True, pdl=True),
             ptx_must_have=("griddepcontrol.wait", "griddepcontrol.launch_dependents", "fma.rn.f32"),
         ))
+    out.append(Variant(   # diagnostics: the regs merge's cycles per phase (scripts/time_merges.py profile)
+        "affine_merge", "affine_merge_k128_v128_regs_profile",
+        lambda d: compile_affine_merge(128, 128, False, "regs", dump_dir=d, profile=True),
+        ptx_must_have=("%clock64", "shfl.sync.bfly", "fma.rn.f32"),
+    ))
     out.append(Variant(
         "affine_merge", "affine_merge_k128_v128_tc_starts_pdl",
         lambda d: compile_affine_merge(128, 128, False, "tc", dump_dir=d, starts_only=True, pdl=True),

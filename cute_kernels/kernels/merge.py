@@ -57,14 +57,21 @@ class AffineMerge:
       outputs (one row, 4 columns). Per segment: 32 LDS.128, 512 FMA, 28 shuffles per thread and one CTA
       barrier (the state tile is double-buffered); the other variants' mac is bound by ~5k shared-memory
       wavefronts per segment (each thread re-reads M rows from smem for every 4 FMA).
+    `profile` (regs, diagnostics only): thread 0 of each CTA sums clock64 cycles per phase of every link -- (0) the
+    copy of the prefetched M / h_ext registers (waits for their loads), (1) the next segment's loads issued and the
+    start state stored, (2) the products, (3) the butterfly and the state tile store, (4) the CTA barrier -- and
+    writes them and the link count to final_state[seq, head, 0..5, 8 vt] (final_state then holds nothing else).
     `pdl` (any impl): launched with programmatic dependent launch after the summary launch; `pdl_start` waits for it
     before the first read.
     """
 
     def __init__(self, k_dim: int, v_dim: int, has_initial_state: bool, impl: str = "simt", starts_only: bool = False,
-                 pdl: bool = False):
+                 pdl: bool = False, profile: bool = False):
         if impl not in AFFINE_MERGE_CONFIG:
             raise ValueError(f"AffineMerge impl must be one of {sorted(AFFINE_MERGE_CONFIG)}, got {impl!r}")
+        if profile and (impl != "regs" or starts_only):
+            raise ValueError("profile is a diagnostics build of impl='regs' without starts_only")
+        self.profile = profile
         self.impl = impl
         self.pdl = pdl
         self.staged = impl != "simt"
@@ -306,15 +313,31 @@ class AffineMerge:
         cute.arch.sync_threads()
 
         thread = (head, rg, kg, row_x, own_row, v0, own_piece)
+        stamps = cute.make_rmem_tensor((5,), cutlass.Int64)   # profile: clock64 at each phase boundary of a link
+        sums = cute.make_rmem_tensor((5,), cutlass.Int64)     # profile: cycles per phase, summed over links
+        for p in cutlass.range_constexpr(5):
+            sums[p] = cutlass.Int64(0)
         for slot in cutlass.range(first, end):
+            if cutlass.const_expr(self.profile):
+                stamps[0] = cute.arch.clock64()
             for f in cutlass.range_constexpr(64):
                 m_cur[f] = m_next[f]
             for j in cutlass.range_constexpr(4):
                 h_cur[j] = h_next[j]
             self.regs_link(m, h_ext, start_states, slot, first, last, (slot - first) % 2, thread, m_cur, h_cur, m_next,
-                           h_next, cur, part, s_row, s_flat)
+                           h_next, cur, part, s_row, s_flat, stamps)
+            if cutlass.const_expr(self.profile):
+                t_end = cute.arch.clock64()
+                for p in cutlass.range_constexpr(4):
+                    sums[p] = sums[p] + (stamps[p + 1] - stamps[p])
+                sums[4] = sums[4] + (t_end - stamps[4])
 
-        if cutlass.const_expr(self.starts_only):
+        if cutlass.const_expr(self.profile):
+            if tid == 0:
+                for p in cutlass.range_constexpr(5):
+                    final_state[seq, head, p, vt * 8] = Float32(sums[p])
+                final_state[seq, head, 5, vt * 8] = Float32(end - first)
+        elif cutlass.const_expr(self.starts_only):
             if first < last:
                 cute.autovec_copy(cur, cute.local_tile(start_states[last - 1, head, own_row, None], (4,),
                                                        (v0 // 4,)))
@@ -324,10 +347,12 @@ class AffineMerge:
     @cute.jit
     def regs_link(self, m: cute.Tensor, h_ext: cute.Tensor, start_states: cute.Tensor, slot, first, last, buf, thread,
                   m_cur: cute.Tensor, h_cur: cute.Tensor, m_next: cute.Tensor, h_next: cute.Tensor, cur: cute.Tensor,
-                  part: cute.Tensor, s_row: cute.Tensor, s_flat: cute.Tensor):
+                  part: cute.Tensor, s_row: cute.Tensor, s_flat: cute.Tensor, stamps: cute.Tensor):
         """`regs`: one link of the chain, S <- M[slot] S + h_ext[slot] (M's block and h_ext's values in m_cur, h_cur;
         state tile `buf` read, the other written) while segment slot + 1 loads into m_next, h_next."""
         head, rg, kg, row_x, own_row, v0, own_piece = thread
+        if cutlass.const_expr(self.profile):
+            stamps[1] = cute.arch.clock64()
         nxt = slot + 1
         if nxt >= last:
             nxt = slot      # the last segment reloads itself: harmless, and no branch
@@ -335,11 +360,15 @@ class AffineMerge:
         cute.autovec_copy(cur, cute.local_tile(start_states[slot, head, own_row, None], (4,), (v0 // 4,)))
         for f in cutlass.range_constexpr(32):
             part[f] = Float32(0.0)
+        if cutlass.const_expr(self.profile):
+            stamps[2] = cute.arch.clock64()
         if cutlass.const_expr(self.has_initial_state):
             self.regs_mac(part, m_cur, s_flat, s_row, buf, kg)
         else:
             if slot != first:   # the first start is zero: M[first] is not read
                 self.regs_mac(part, m_cur, s_flat, s_row, buf, kg)
+        if cutlass.const_expr(self.profile):
+            stamps[3] = cute.arch.clock64()
         # Butterfly over lane bits 4, 3, 2: keep the first half, add the partner's copy of it.
         for step in cutlass.range_constexpr(3):
             n = 16 >> step
@@ -348,6 +377,8 @@ class AffineMerge:
         for j in cutlass.range_constexpr(4):
             cur[j] = part[j] + h_cur[j]
         cute.autovec_copy(cur, cute.local_tile(s_flat, (4,), ((1 - buf) * (REGS_TILE // 4) + own_piece,)))
+        if cutlass.const_expr(self.profile):
+            stamps[4] = cute.arch.clock64()
         cute.arch.sync_threads()
 
     @cute.jit

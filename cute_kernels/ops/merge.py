@@ -73,7 +73,7 @@ def merge_impl_for(num_seqs: int, num_heads: int, k_dim: int, v_dim: int, sms: i
 
 
 def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, impl: str | None = None, dump_dir=None,
-                         starts_only: bool = False, pdl: bool = False):
+                         starts_only: bool = False, pdl: bool = False, profile: bool = False):
     impl = merge_impl_for(1, 1, k_dim, v_dim, 1) if impl is None else impl
     if impl not in AFFINE_MERGE_IMPLS:
         raise ValueError(f"affine merge impl must be one of {AFFINE_MERGE_IMPLS}, got {impl!r}")
@@ -97,10 +97,10 @@ def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, impl: 
         )
         if impl == "tc":
             return AffineMergeTcSm90(cutlass.BFloat16, has_initial_state, starts_only, pdl=pdl), args
-        return AffineMerge(k_dim, v_dim, has_initial_state, impl, starts_only, pdl=pdl), args
+        return AffineMerge(k_dim, v_dim, has_initial_state, impl, starts_only, pdl=pdl, profile=profile), args
 
     key = (("affine_merge", k_dim, v_dim, has_initial_state, impl) + (("starts_only",) if starts_only else ())
-           + (("pdl",) if pdl else ()))
+           + (("pdl",) if pdl else ()) + (("profile",) if profile else ()))
     return compile_kernel(key, build, dump_dir=dump_dir)
 
 

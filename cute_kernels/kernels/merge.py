@@ -261,15 +261,9 @@ class AffineMerge:
     # and each lane finds its local column piece at the physical piece it asks for.
 
     @cute.kernel
-    def regs_kernel(
-        self,
-        m: cute.Tensor,
-        h_ext: cute.Tensor,
-        seg_offsets: cute.Tensor,
-        initial_state: cute.Tensor,
-        start_states: cute.Tensor,
-        final_state: cute.Tensor,
-    ):
+    def regs_kernel(self, m: cute.Tensor, h_ext: cute.Tensor, seg_offsets: cute.Tensor, initial_state: cute.Tensor,
+                    start_states: cute.Tensor, final_state: cute.Tensor):
+        """`impl="regs"` (see the class docstring and the notes above)."""
         self.pdl_start()
         tid, _, _ = cute.arch.thread_idx()
         vt, head, seq = cute.arch.block_idx()

@@ -370,6 +370,11 @@ def test_auto_path_choice(monkeypatch):
         la._two_phase_segments(None, 1, T, 4, None, cpu, False, False)
         choice, ran = la._last_choice
         assert choice.two_phase == two and not ran, (T, choice.two_phase_us, choice.fused_us)
+    # KDA's extra cost per segment (SEGMENT_US; H200 with the regs merge): B=1 H=8 T=1024 measured 41.2 us unsplit
+    # vs 45.9 in 4 segments, B=1 H=4 T=2048 54.1 in 8 segments vs 51.2 in 4 (with the slower prefetch merge).
+    monkeypatch.setattr(la._merge, "AFFINE_MERGE_IMPL", "auto")
+    assert la._two_phase_segments(None, 1, 1024, 8, None, cpu, True, False) == 1
+    assert la._two_phase_segments(None, 1, 2048, 4, None, cpu, True, False) == 4
     monkeypatch.setattr(la, "TWO_PHASE", "1")
     assert la._two_phase_segments(None, 16, 4096, 64, None, cpu, False, False) == 1
     assert la._last_choice[1] and "path: two-phase" in la.last_plan()

@@ -542,6 +542,12 @@ STATE_CHUNK_US = ({False: 1.15, True: 1.2} if STATE_RING_DECAY else {False: 1.45
 # unsplit at B=1 H=4 .. B=4 H=16 (H200, 2026-12-03).
 STATE_PAIR_CHUNK_US = {False: 2.0, True: 2.1}
 LAUNCH_US = 2.0
+# KDA's split state pass measured above the model by ~1-1.5 us per extra segment (H200, session 12, seed rows
+# B*H <= 8 with the regs merge: +3 us at N = 4, +11-15 us at N = 8-9; GDN within ~4 us at N = 8-9): with the
+# cheaper merge link the model split KDA calls where fewer segments measured faster (B=1 H=8 T=1024: N = 4 45.9 us
+# vs N = 1 41.2; B=1 H=4 T=2048: N = 8 54.1 vs N = 4 51.2 with the slower prefetch merge). Not explained yet (the
+# summary tiles' per-channel decays?); charged per extra segment so the choice follows the measurements.
+SEGMENT_US = {False: 0.0, True: 1.5}
 
 
 def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: float,
@@ -550,7 +556,7 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
 
     Phase 1: tiles of `chunks_per_tile` chunks per (sequence, head) (None: as `prep_chunks_per_tile`).
     Phase 2: output tiles per (sequence, segment, head, 64 V columns); if split, summary tiles (2 h_ext blocks per segment but the last, plus 2 M blocks except
-    the first segment's without an initial state), N - 1 merge links and two more launches.
+    the first segment's without an initial state), N - 1 merge links (and SEGMENT_US each) and two more launches.
     """
     from schedulers import split_even
     from schedulers.heuristics import makespan
@@ -573,7 +579,7 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
         return t
     summary = [n for ls in lens for s, n in enumerate(ls[:-1]) for _ in range(H * per * (2 if (s or init) else 1))]
     t += makespan(summary, slots) * chunk_us
-    return t + (max(len(ls) for ls in lens) - 1) * link_us + 2 * LAUNCH_US
+    return t + (max(len(ls) for ls in lens) - 1) * (link_us + SEGMENT_US[kda]) + 2 * LAUNCH_US
 
 
 def plan_num_segments(problem, kda: bool, init: bool, slots: int, link_us: float, min_chunks: int = 2) -> int:

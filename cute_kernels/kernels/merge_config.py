@@ -11,9 +11,7 @@ AFFINE_MERGE_CONFIG = {"simt": (128, 16), "staged": (256, 32), "prefetch": (256,
 def affine_merge_fits(impl: str, k_dim: int, v_dim: int) -> bool:
     """Whether variant `impl` handles K = k_dim, V = v_dim (whole 16-byte M pieces per thread, whole V tiles)."""
     threads, block_v = AFFINE_MERGE_CONFIG[impl]
-    if impl == "tc":
-        return k_dim == 128 and v_dim % block_v == 0
-    if impl == "regs":
+    if impl in ("tc", "regs"):   # built for K = 128 only
         return k_dim == 128 and v_dim % block_v == 0
     return (k_dim % 4 == 0 and v_dim % block_v == 0 and (k_dim * block_v) % threads == 0
             and threads % block_v == 0 and (k_dim * k_dim // 4) % threads == 0)

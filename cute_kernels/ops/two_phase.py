@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import merge as _merge
 from .checks import check_cuda, check_shape, check_tensor
 
 C = 64
@@ -193,10 +194,8 @@ _plans: dict = {}
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, the STATE_* switches
     of the state pass, the affine-merge variant setting)."""
-    from . import merge
-
     full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
-            STATE_PAIR, PDL, merge.AFFINE_MERGE_IMPL)
+            STATE_PAIR, PDL, _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:
@@ -451,8 +450,6 @@ class StatePlan:
     (no checks: the caller has validated its tensors)."""
 
     def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device):
-        from . import merge
-
         pair = state_pair()
         schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device, pair)
         self.init, self.device, self.split, self.pair = init, device, summ is not None, pair
@@ -463,8 +460,8 @@ class StatePlan:
             self.fn = compile_state_pass(io, kda, init, final)
             return
         self.slots = schedule.segmentation.total_segments
-        self.merge = merge.affine_merge_starts_plan(len(schedule.seg_offsets) - 1, H, self.slots,
-                                                    schedule.seg_offsets, init, device, pdl=PDL)
+        self.merge = _merge.affine_merge_starts_plan(len(schedule.seg_offsets) - 1, H, self.slots,
+                                                     schedule.seg_offsets, init, device, pdl=PDL)
         self.summary_fn = compile_state_pass(io, kda, False, False, mode="summary") if summ.num_tiles else None
         self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0])
         self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs")

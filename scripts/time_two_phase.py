@@ -288,6 +288,14 @@ def pair_profile():
                   f"{cyc[3]:.0f}, update wait + release {cyc[4]:.0f} (sum {sum(cyc):.0f})", flush=True)
 
 
+def planned_segments():
+    """The segment count of the op's last call, from its plan (`last_plan()`; benchmarks.report's parser)."""
+    from benchmarks import report
+
+    n = report.segments({"extra": {"plan": la.last_plan() or ""}})
+    return "?" if n is None else int(n)
+
+
 def time_pdl():
     """The op ("auto" path) with programmatic dependent launch between the two-phase kernels off and on
     (`two_phase.PDL`): GPU time from graph replay and bitwise equality of o and the final state (same kernels, only
@@ -308,7 +316,7 @@ def time_pdl():
             same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
             nan = any(y.isnan().any().item() for o in outs for y in o)
             plan = la.last_plan() or ""
-            n = plan.split("segments per sequence: ")[1].split(" ")[0] if "segments per sequence: " in plan else "?"
+            n = planned_segments()
             path = "two-phase" if "path: two-phase" in plan else "fused"
             print(f"{op} op B={B} H={H} T={T} ({path}, N={n}): " + " | ".join(line)
                   + f" | bitwise equal {same}, NaN {nan}", flush=True)
@@ -333,8 +341,7 @@ def time_merge():
             for impl in impls:
                 merge_ops.AFFINE_MERGE_IMPL = impl
                 got = ops.call_ours(op, ours, x)
-                plan = la.last_plan() or ""
-                n = plan.split("segments per sequence: ")[1].split(" ")[0] if "segments per sequence: " in plan else "?"
+                n = planned_segments()
                 t = graph_us(lambda: ops.call_ours(op, ours, x), calls=5, reps=5)
                 nan = any(y.isnan().any().item() for y in ops.output_tensors(got) if y is not None)
                 line.append(f"{impl} N={n} {t:.1f} us ({tf / t:.2f}x, err {ops.max_rel_err(got, want):.1e}, NaN {nan})")

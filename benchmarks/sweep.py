@@ -52,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "chosen per cell by plan_segments); 'auto': AUTO_SEGMENTS on (the measured cost model picks "
                         "N per cell). The plan is kept in the JSON's extra.plan; results get a '-segment'/'-auto' tag")
     p.add_argument("--limit-cells", type=int, default=None, help="only the first N cells of the grid")
-    p.add_argument("--cells", default=None, metavar="START:END",
-                   help="only cells START..END-1 of the grid (to split a long sweep across device calls; the files "
+    p.add_argument("--cells", default=None, metavar="START:END[,I,...]",
+                   help="only cells START..END-1 of the grid (or a comma-separated list of indices and ranges) (to split a long sweep across device calls; the files "
                         "get a _cellsSTART-END tag; python -m benchmarks.combine joins the parts)")
     p.add_argument("--bw-tbs", type=float, default=roofline.BW_BYTES_PER_S / 1e12, help="bandwidth ceiling, TB/s")
     p.add_argument("--tflops", type=float, default=roofline.TENSOR_FLOPS_PER_S / 1e12, help="compute ceiling, TFLOP/s")
@@ -143,6 +143,22 @@ class Timer:
             fn()
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n * 1e6, n
+
+
+def select_cells(todo: list, spec: str) -> list:
+    """The cells of `todo` that `spec` names: comma-separated indices ("7") and ranges ("0:9", ":9", "140:"),
+    in the order given, each cell once."""
+    picked: list[int] = []
+    for part in spec.split(","):
+        if ":" in part:
+            start, _, end = part.partition(":")
+            picked += range(len(todo))[int(start or 0): int(end) if end else None]
+        else:
+            i = int(part)
+            if not -len(todo) <= i < len(todo):
+                raise SystemExit(f"--cells: index {i} is outside the grid's {len(todo)} cells")
+            picked.append(i % len(todo))
+    return [todo[i] for i in dict.fromkeys(picked)]
 
 
 def rotating(call, input_sets):
@@ -264,8 +280,7 @@ def main(argv=None) -> int:
     rows_def = grids.get_grid(args.grid)
     todo = grids.cells(rows_def)[: args.limit_cells]
     if args.cells:
-        start, _, end = args.cells.partition(":")
-        todo = todo[int(start or 0): int(end) if end else None]
+        todo = select_cells(todo, args.cells)
     props = torch.cuda.get_device_properties(0)
     device_name = torch.cuda.get_device_name(0)
     l2_bytes = getattr(props, "L2_cache_size", 0) or L2_BYTES
@@ -282,7 +297,7 @@ def main(argv=None) -> int:
     finished = False
     tag = args.grid + ("" if args.scheduler == "default" else "-" + args.scheduler)
     if args.cells:
-        tag += "_cells" + args.cells.replace(":", "-")
+        tag += "_cells" + args.cells.replace(":", "-").replace(",", "_")
     stem = report.result_stem(args.out, args.op, tag, device_name, date)
     try:
         with torch.inference_mode():

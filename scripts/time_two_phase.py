@@ -11,6 +11,7 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py pair       # phase 2 with both V blocks per CTA (`pair`) vs one, then the op
     python3 scripts/time_two_phase.py pdl        # the op with programmatic dependent launch off / on
     python3 scripts/time_two_phase.py merge      # the op with the affine merge `prefetch` vs `regs`, FLA beside
+    python3 scripts/time_two_phase.py phases     # the op's GPU time per kernel (profiler) at forced segment counts
 """
 
 import os
@@ -349,7 +350,60 @@ def time_merge():
             print(f"{op} op B={B} H={H} T={T}: " + " | ".join(line), flush=True)
 
 
-MODES = {"merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+def kernel_times(fn, reps: int = 5) -> list[tuple[str, float]]:
+    """(kernel name, GPU us per call) of every kernel `fn` launches, in launch order (torch.profiler / CUPTI over
+    `reps` eager calls after a warm-up; names shortened to their distinctive part)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}   # full kernel name -> us per call (the summary and output launches differ)
+    for e in prof.events():
+        if e.device_type.name != "CUDA" or "memcpy" in e.name.lower() or "memset" in e.name.lower():
+            continue
+        totals[e.name] = totals.get(e.name, 0.0) + e.device_time / reps
+    short = []
+    for name, us in totals.items():
+        for marker in ("ChunkPrep", "ChunkStatePass", "Merge", "merge", "chunk", "kernel"):
+            if marker in name:
+                name = name[name.index(marker):]
+                break
+        short.append((name[:40], us))
+    return short
+
+
+def time_phases():
+    """Where the op's GPU time goes, per kernel, at forced segment counts (PHASE_NS, default 1,4,8) for GDN and KDA
+    (PHASE_OPS): the two-phase path, each kernel's GPU time per call from the profiler, their sum, and the graph-
+    replay time of the whole call. Explains the per-segment cost the path model charges (SEGMENT_US)."""
+    from schedulers import SegmentScheduler
+
+    cells = [(1, 4, 2048), (1, 4, 8192), (1, 16, 4096)]
+    ns = [int(n) for n in os.environ.get("PHASE_NS", "1,4,8").split(",")]
+    for op in os.environ.get("PHASE_OPS", "gdn,kda").split(","):
+        ours, _ = ops.load_ours(op)
+        for B, H, T in cells:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            for n in ns:
+                sched = SegmentScheduler(num_segments=n)
+                call = lambda: ours(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True,  # noqa: E731
+                                    scheduler=sched)
+                la.TWO_PHASE = "1"
+                try:
+                    t = graph_us(call, calls=5, reps=5)
+                    parts = kernel_times(call)
+                finally:
+                    la.TWO_PHASE = "auto"
+                total = sum(us for _, us in parts)
+                print(f"{op} B={B} H={H} T={T} N={n}: graph {t:.1f} us, kernels {total:.1f} us = "
+                      + " + ".join(f"{name} {us:.1f}" for name, us in parts), flush=True)
+
+
+MODES = {"phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}
 
 

@@ -290,3 +290,15 @@ def test_combine_parts(tmp_path):
 
     with pytest.raises(ValueError, match="differ in 'op'"):
         combine.combine([report.read_json(p1), report.read_json(p3)])
+
+
+def test_select_cells_lists_and_ranges():
+    from benchmarks.sweep import select_cells
+
+    todo = list(range(100, 120))
+    assert select_cells(todo, "0:3") == [100, 101, 102]
+    assert select_cells(todo, "1,10,18:") == [101, 110, 118, 119]
+    assert select_cells(todo, "2,0:3") == [102, 100, 101]   # order given, each cell once
+    assert select_cells(todo, "-1") == [119]
+    with pytest.raises(SystemExit):
+        select_cells(todo, "20")

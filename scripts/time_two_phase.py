@@ -164,45 +164,43 @@ def chain_profile(fn, terms, u, launch):
 
 
 def time_prep_profile():
-    """GDN phase 1 (slim): its time, then the profile build's cycles per chunk by step (consumer thread 0 of each
-    CTA) and the CTAs' average lifetime per chunk. PREP_CPT=1,2,4 sets the chunks per tile tried."""
+    """Phase 1 (GDN slim, two CTAs per SM; KDA one per SM): its time, then the profile build's cycles per chunk by
+    step (consumer thread 0 of each CTA) and the CTAs' average lifetime per chunk. PREP_CPT=1,2,4 sets the chunks
+    per tile tried; PREP_PROFILE_OPS=gdn,kda the ops."""
     from schedulers import Segmentation, schedule_from_segmentation, split_even
 
     cpts = [int(c) for c in os.environ.get("PREP_CPT", "2").split(",")]
     names = ["gates", "qkv wait", "Akk/Aqk", "qg/kg stores", "solve", "w/u products", "stores+release"]
-    for B, H, T in [(1, 4, 16384), (2, 16, 8192)]:
-        x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
-        args = (x["q"], x["k"], x["v"], x["g"].float(), x["beta"])
-        chunks = -(-T // 64)
-        problem = two_phase._problem(B, T, H, None)
-        for cpt in cpts:
-            seg = Segmentation([split_even(c, max(1, -(-c // cpt))) for c in problem.chunks])
-            sch = schedule_from_segmentation(problem, seg, "prep")
-            launch = (sch.table_on(x["q"].device), sch.num_tiles, sch.grid[0])
-            t = two_phase.PrepPlan(B, T, H, None, False, torch.bfloat16, x["beta"].dtype, x["q"].device,
-                                   cpt).allocate(torch.bfloat16)
-            terms = (t.qg, t.w, t.u, t.kg, t.aqk, t.eg)
-            fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, False).fn
-            us = graph_us(lambda: fn(*args, *terms, *launch, 128 ** -0.5))
-            print(f"gdn prep B={B} H={H} T={T} chunks/tile {cpt} ({sch.num_tiles} CTAs): {us:.1f} us "
-                  f"({us * 264 / (B * H * chunks):.2f} us/chunk/CTA)", flush=True)
-            fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, False, profile=True).fn
-            t.eg.zero_()
-            fn(*args, *terms, *launch, 128 ** -0.5)
-            torch.cuda.synchronize()
-            n = sch.num_tiles
-            p = t.eg.flatten()[: 16 * n].view(n, 16).double()
-            nch = p[:, 7].sum().item()
-            cyc = (p[:, :7].sum(0) / nch).tolist()
-            life = (p[:, 8].sum() / nch).item()
-            print("  profile, cycles per chunk: " + ", ".join(f"{a} {b:.0f}" for a, b in zip(names, cyc))
-                  + f" | sum {sum(cyc):.0f}, CTA lifetime per chunk {life:.0f}", flush=True)
-    for B, H, T in [(1, 4, 16384), (2, 16, 8192)]:   # KDA's phase 1 (one CTA per SM), two-chunk tiles
-        x = ops.make_inputs("kda", B, H, T, torch.bfloat16, "cuda")
-        args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-        us = graph_us(lambda: two_phase.chunk_prep(*args, kda=True, chunks_per_tile=2))
-        print(f"kda prep B={B} H={H} T={T}: {us:.1f} us ({us * 132 / (B * H * -(-T // 64)):.2f} us/chunk/CTA)",
-              flush=True)
+    for op in os.environ.get("PREP_PROFILE_OPS", "gdn,kda").split(","):
+        kda = op == "kda"
+        slots = 132 * two_phase.prep_ctas_per_sm(kda)
+        for B, H, T in [(1, 4, 16384), (2, 16, 8192)]:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            args = (x["q"], x["k"], x["v"], x["g"].float(), x["beta"])
+            chunks = -(-T // 64)
+            problem = two_phase._problem(B, T, H, None)
+            for cpt in cpts:
+                seg = Segmentation([split_even(c, max(1, -(-c // cpt))) for c in problem.chunks])
+                sch = schedule_from_segmentation(problem, seg, "prep")
+                launch = (sch.table_on(x["q"].device), sch.num_tiles, sch.grid[0])
+                t = two_phase.PrepPlan(B, T, H, None, kda, torch.bfloat16, x["beta"].dtype, x["q"].device,
+                                       cpt).allocate(torch.bfloat16)
+                terms = (t.qg, t.w, t.u, t.kg, t.aqk, t.eg)
+                fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, kda).fn
+                us = graph_us(lambda: fn(*args, *terms, *launch, 128 ** -0.5))
+                print(f"{op} prep B={B} H={H} T={T} chunks/tile {cpt} ({sch.num_tiles} CTAs): {us:.1f} us "
+                      f"({us * slots / (B * H * chunks):.2f} us/chunk/CTA)", flush=True)
+                fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, kda, profile=True).fn
+                t.eg.zero_()
+                fn(*args, *terms, *launch, 128 ** -0.5)
+                torch.cuda.synchronize()
+                n = sch.num_tiles
+                p = t.eg.flatten()[: 16 * n].view(n, 16).double()
+                nch = p[:, 7].sum().item()
+                cyc = (p[:, :7].sum(0) / nch).tolist()
+                life = (p[:, 8].sum() / nch).item()
+                print("  profile, cycles per chunk: " + ", ".join(f"{a} {b:.0f}" for a, b in zip(names, cyc))
+                      + f" | sum {sum(cyc):.0f}, CTA lifetime per chunk {life:.0f}", flush=True)
 
 
 def time_paths():
@@ -378,12 +376,13 @@ def kernel_times(fn, reps: int = 5) -> list[tuple[str, float]]:
 
 def time_phases():
     """Where the op's GPU time goes, per kernel, at forced segment counts (PHASE_NS, default 1,4,8) for GDN and KDA
-    (PHASE_OPS): the two-phase path, each kernel's GPU time per call from the profiler, their sum, and the graph-
+    (PHASE_OPS) and cells (PHASE_CELLS, BxHxT): the two-phase path, each kernel's GPU time per call from the profiler, their sum, and the graph-
     replay time of the whole call. Explains the per-segment cost the path model charges (SEGMENT_US)."""
     from schedulers import SegmentScheduler
 
-    cells = [(1, 4, 2048), (1, 4, 8192), (1, 16, 4096)]
+    cells = [tuple(int(v) for v in c.split("x")) for c in os.environ.get("PHASE_CELLS", "1x4x2048,1x4x8192").split(",")]
     ns = [int(n) for n in os.environ.get("PHASE_NS", "1,4,8").split(",")]
+    two_phase.PDL = os.environ.get("PHASE_PDL", "0") == "1"   # PDL on: a kernel's time includes its wait
     for op in os.environ.get("PHASE_OPS", "gdn,kda").split(","):
         ours, _ = ops.load_ours(op)
         for B, H, T in cells:

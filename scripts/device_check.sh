@@ -2,7 +2,7 @@
 # Build, check and time on the GPU machine in one call (see README "Running on the H200").
 # Usage (from the repo root, after `source .wheelhouse/b/install.sh`):
 #   bash scripts/device_check.sh [tests] [gpu-tests] [gdn-tests] [seg-tests] [merge-tests] [gdn-smoke] [gdn-profile] [kda-profile]
-#                                [host] [merge-time] [two-phase] [two-phase-tests] [two-phase-quick] [prep-time] [state-time] [state-profile] [pair] [regs] [regs-profile] [bench-OP-GRID] ...
+#                                [host] [merge-time] [two-phase] [two-phase-tests] [two-phase-quick] [prep-time] [state-time] [state-profile] [pair] [regs] [regs-profile] [overlap] [bench-OP-GRID] ...
 #   e.g. BENCH_ARGS=--graph bash scripts/device_check.sh gdn-smoke gdn-tests bench-gdn-large
 # Logs and JSON go to $OUT (or ./device_out), so they come back with the call.
 set -uo pipefail
@@ -46,6 +46,11 @@ for stage in $stages; do
       timeout -s INT -k 20 $t python3 -m pytest tests/test_two_phase.py -q -p no:cacheprovider 2>&1 | tee "$out/two_phase_tests.log" | tail -5
       status=$((status | ${PIPESTATUS[0]}))
       timeout -s INT -k 20 $t python3 scripts/time_two_phase.py 2>&1 | tee "$out/two_phase_time.log" | grep -v Warn
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    overlap)   # the overlapped two-phase path: its GPU tests (reference, determinism, flags back at 0), then its time
+      timeout -s INT -k 10 ${OVERLAP_TEST_S:-240} python3 -m pytest tests/test_two_phase.py -q --tb=short -p no:cacheprovider -k "overlap" 2>&1 | tee "$out/overlap_tests.log" | tail -8
+      status=$((status | ${PIPESTATUS[0]}))
+      timeout -s INT -k 20 $t python3 scripts/time_two_phase.py overlap 2>&1 | tee "$out/overlap_time.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
     regs-profile)   # the regs merge's cycles per link by phase (profile build) next to its plain time
       timeout -s INT -k 20 $t python3 scripts/time_merges.py profile 2>&1 | tee "$out/regs_profile.log" | grep -v Warn

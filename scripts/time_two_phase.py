@@ -12,6 +12,7 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py pdl        # the op with programmatic dependent launch off / on
     python3 scripts/time_two_phase.py merge      # the op with the affine merge `prefetch` vs `regs`, FLA beside
     python3 scripts/time_two_phase.py phases     # the op's GPU time per kernel (profiler) at forced segment counts
+    python3 scripts/time_two_phase.py overlap    # the op with the overlapped path off ("auto" plan) / forced, FLA beside
 """
 
 import os
@@ -402,7 +403,39 @@ def time_phases():
                       + " + ".join(f"{name} {us:.1f}" for name, us in parts), flush=True)
 
 
-MODES = {"phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+def time_overlap():
+    """The op (scheduler=None) with the overlapped path off (its usual plan) and forced (CUTE_KERNELS_OVERLAP=1),
+    FLA in the same run: GPU time from graph replay, the plan's segment count, max relative error against FLA,
+    NaN, and the model's predictions. OVERLAP_OPS=gdn,kda picks the ops."""
+    from schedulers import Problem
+
+    cells = [(1, 16, 2048), (1, 16, 4096), (1, 16, 8192), (2, 8, 4096), (1, 8, 8192), (4, 4, 8192)]
+    for op in os.environ.get("OVERLAP_OPS", "gdn,kda").split(","):
+        kda = op == "kda"
+        ours, _ = ops.load_ours(op)
+        _, peer = ops.load_peer(op)
+        for B, H, T in cells:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            want = peer(x)
+            tf = graph_us(lambda: peer(x), calls=5, reps=5)
+            line = [f"FLA {tf:.1f} us"]
+            for mode in ("0", "1"):
+                la.OVERLAP = mode
+                try:
+                    got = ops.call_ours(op, ours, x)
+                    n = planned_segments()
+                    t = graph_us(lambda: ops.call_ours(op, ours, x), calls=5, reps=5)
+                finally:
+                    la.OVERLAP = "0"
+                nan = any(y.isnan().any().item() for y in ops.output_tensors(got) if y is not None)
+                line.append(f"{'overlap' if mode == '1' else 'plain'} N={n} {t:.1f} us ({tf / t:.2f}x, "
+                            f"err {ops.max_rel_err(got, want):.1e}, NaN {nan})")
+            p = Problem.fixed(B, T, H)
+            line.append(f"model overlap {two_phase.predicted_overlap_us(p, kda, 132):.0f} us")
+            print(f"{op} op B={B} H={H} T={T}: " + " | ".join(line), flush=True)
+
+
+MODES = {"overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}
 
 

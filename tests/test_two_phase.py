@@ -146,6 +146,42 @@ def test_two_phase_matches_reference(kda, B, T, H, with_init, N, variant, monkey
     assert rel_err(o, want_o) <= 5e-3 and rel_err(s, want_s) <= 5e-3, (rel_err(o, want_o), rel_err(s, want_s))
 
 
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("B,T,H,with_init", [(1, 4096, 4, False), (2, 1000, 3, True), (1, 2048, 16, True),
+                                             (4, 640, 8, False)])
+def test_overlapped_path_matches_reference(kda, B, T, H, with_init, monkeypatch):
+    """The overlapped path (phase 1 publishing per chunk on a side stream, the state pass consuming it at once):
+    NaN-poisoned terms, float64 reference, bitwise equal to itself and to the plain two-phase path (same math,
+    only the timing differs), every flag back at 0."""
+    import cute_kernels.ops.linear_attention as la
+
+    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
+    gen = torch.Generator().manual_seed(300 + B * T + H + kda)
+    q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
+    init = init if with_init else None
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
+    op = la.chunk_kda if kda else la.chunk_gated_delta_rule
+    monkeypatch.setattr(la, "TWO_PHASE", "1")
+    runs = []
+    for overlap in ("1", "1", "0"):
+        monkeypatch.setattr(la, "OVERLAP", overlap)
+        o = poisoned(v.shape, v.dtype, "cuda")
+        s = poisoned((B, H, 128, 128), torch.float32, "cuda")
+        op(q, k, v, g, beta, initial_state=init, output_final_state=True, out=(o, s))
+        assert ("overlapped" in la.last_plan()) == (overlap == "1"), la.last_plan()
+        runs.append((o, s))
+    torch.cuda.synchronize()
+    (o, s), (o2, s2), (o3, s3) = runs
+    assert not o.isnan().any() and not s.isnan().any()
+    assert torch.equal(o, o2) and torch.equal(s, s2), "run-to-run difference"
+    assert torch.equal(o, o3) and torch.equal(s, s3), "overlapped and plain two-phase paths differ"
+    assert rel_err(o, want_o) <= 5e-3 and rel_err(s, want_s) <= 5e-3, (rel_err(o, want_o), rel_err(s, want_s))
+    plan = two_phase.overlap_plan(B, T, H, kda, q.dtype, beta.dtype, with_init, True, q.device,
+                                  la._sm_count(q.device))
+    assert int(plan.flags.abs().sum()) == 0, "flags not back at 0"
+
+
 # ---------------------------------------------------------------- CPU: the segmented state pass's orchestration
 
 
@@ -157,7 +193,7 @@ class StatePassEmulator:
         self.kda, self.init, self.final, self.mode = kda, has_initial_state, store_final_state, mode
         self.pair = two_phase.state_pair()
 
-    def fn(self, qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, grid):
+    def fn(self, qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, grid, flags=None, chunks_per_seq=0):
         from schedulers import TILE_FIELDS
 
         qg, w, u, kg, aqk, eg, o = (x.flatten(0, 1) for x in (qg, w, u, kg, aqk, eg, o))
@@ -251,7 +287,8 @@ class PrepEmulator:
     def __init__(self, kda, cu):
         self.kda, self.cu = kda, cu
 
-    def fn(self, q, k, v, g, beta, qg, w, u, kg, aqk, eg, tiles, num_tiles, grid, scale):
+    def fn(self, q, k, v, g, beta, qg, w, u, kg, aqk, eg, tiles, num_tiles, grid, scale, flags=None,
+           chunks_per_seq=0, consumers=0):
         B, T = q.shape[:2]
         spans = [(b, 0, T) for b in range(B)] if self.cu is None else [(0, a, e) for a, e in zip(self.cu, self.cu[1:])]
         for b, a, e in spans:
@@ -338,6 +375,46 @@ def test_plans_follow_kernel_switches(monkeypatch):
         two_phase.prep_plan(1, 128, 2, None, False, torch.bfloat16, torch.bfloat16, cpu, 2)
         two_phase.state_plan(1, 128, 2, None, False, torch.bfloat16, False, True, 1, cpu)
     assert seen == [("slim", False), ("rs", False), ("slim", True), ("rs", True)]
+
+
+def test_overlap_plan_and_choice(monkeypatch):
+    """The overlapped path's plan (CPU, kernels stubbed): phase-1 tiles chunk-major on the SMs the state CTAs
+    leave, one flag per (sequence, chunk, head); `overlap_fits` keeps the state grid within half the SMs; with
+    OVERLAP=auto the op takes it where its prediction beats the planned two-phase time (KDA at B*H = 16, long T:
+    the chain no longer waits for all of phase 1), not where a split state pass wins (B*H = 4)."""
+    import cute_kernels.ops.linear_attention as la
+
+    monkeypatch.setattr(two_phase, "_plans", {})
+    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, None))
+    monkeypatch.setattr(two_phase, "compile_state_pass", lambda *a, **kw: PrepEmulator(False, None))
+    cpu = torch.device("cpu")
+    plan = two_phase.overlap_plan(2, 1000, 3, False, torch.bfloat16, torch.bfloat16, True, True, cpu, 132)
+    assert plan.state_ctas == 2 * 2 * 3 and plan.prep_ctas == 96   # min(tiles, SMs - state CTAs)
+    assert plan.chunks_per_seq == 16 and plan.flags.shape == (2 * 16 * 3,) and int(plan.flags.sum()) == 0
+    from schedulers import TILE_FIELDS
+
+    table = plan.prep_launch[0]
+    starts = table[:, TILE_FIELDS.index("chunk_start")].tolist()
+    assert starts == sorted(starts) and len(starts) == 2 * 3 * 16   # one-chunk tiles, chunk-major
+    assert two_phase.overlap_fits(1, 16, 132) and two_phase.overlap_fits(2, 16, 132)
+    assert not two_phase.overlap_fits(4, 16, 132)
+    with pytest.raises(ValueError, match="state CTAs"):
+        two_phase.OverlapPlan(8, 128, 8, False, torch.bfloat16, torch.bfloat16, False, False, cpu, 132)
+
+    monkeypatch.setattr(la, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(la, "TWO_PHASE", "auto")
+    monkeypatch.setattr(la, "OVERLAP", "auto")
+    monkeypatch.setattr(la, "_two_phase_plans", {})
+    assert la._two_phase_segments(None, 1, 8192, 16, None, cpu, True, False) == 1   # KDA: phase 1 is the longer
+    assert "overlapped" in la.last_plan(), la.last_plan()
+    for kda in (False, True):
+        n = la._two_phase_segments(None, 1, 16384, 4, None, cpu, kda, False)
+        assert n > 1 and "overlapped" not in la.last_plan()
+        la._two_phase_segments(None, 1, 4096, 16, (0, 1000, 4096), cpu, kda, False)   # varlen: never
+        assert "overlapped" not in (la.last_plan() or "")
+    monkeypatch.setattr(la, "OVERLAP", "0")
+    la._two_phase_segments(None, 1, 4096, 16, None, cpu, False, False)
+    assert "overlapped" not in la.last_plan()
 
 
 def test_auto_path_choice(monkeypatch):

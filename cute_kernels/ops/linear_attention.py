@@ -166,8 +166,10 @@ class PathChoice:
     predictions. `fused` is the fused path's Schedule (None when the path was forced)."""
 
     def __init__(self, two_phase: bool, num_segments: int, num_seqs: int, two_phase_us: float,
-                 fused_us: float | None = None, fused=None, eager_two_phase: bool | None = None):
+                 fused_us: float | None = None, fused=None, eager_two_phase: bool | None = None,
+                 overlap: bool = False):
         self.two_phase, self.num_segments, self.num_seqs = two_phase, num_segments, num_seqs
+        self.overlap = overlap   # the two-phase path runs overlapped (OVERLAP; one segment)
         self.two_phase_us, self.fused_us, self.fused = two_phase_us, fused_us, fused
         # the path of a call outside CUDA-graph capture, where the host's time per call may be the longer one
         self.eager_two_phase = two_phase if eager_two_phase is None else eager_two_phase
@@ -175,7 +177,9 @@ class PathChoice:
     def explain(self, ran_two_phase: bool | None = None) -> str:
         """Which path ran (`ran_two_phase`; default: the GPU-time choice) and why."""
         ran = self.two_phase if ran_two_phase is None else ran_two_phase
-        pred = f"predicted GPU time: two-phase {self.two_phase_us:.0f} us (state pass in {self.num_segments} segments)"
+        pred = f"predicted GPU time: two-phase {self.two_phase_us:.0f} us (" + (
+            "overlapped: phase 1 and the state pass at once" if self.overlap
+            else f"state pass in {self.num_segments} segments") + ")"
         if self.fused_us is not None:
             pred += f", fused {self.fused_us:.0f} us; two-phase needs < {TWO_PHASE_MARGIN:.0%} of fused"
         if self.eager_two_phase != self.two_phase:
@@ -183,6 +187,9 @@ class PathChoice:
                      f"see HOST_US), graph capture the {'two-phase' if self.two_phase else 'fused'} one")
         if not ran:
             return self.fused.explain() + "\n- path: fused (" + pred + ")"
+        if self.overlap:
+            return (f"two-phase forward, overlapped: chunk_prep publishes each chunk, the state pass takes it at once"
+                    f"\nsegments per sequence: 1 (all {self.num_seqs} sequences)\n- path: two-phase ({pred})")
         return (f"two-phase forward: chunk_prep over every chunk, then the state pass\n"
                 f"segments per sequence: {self.num_segments} (all {self.num_seqs} sequences)\n- path: two-phase ({pred})")
 
@@ -237,13 +244,14 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     if T > 0 and N > 0:
         n = _two_phase_segments(scheduler, B, T, H, cu, device, kda, init)
         if n is not None:
-            _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, kda, device)
+            _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, kda, device,
+                               _last_choice[0].overlap)
             return o, final if output_final_state else None
         if _last_choice is not None and _last_choice[0].two_phase:
             # An eager call that went fused where a CUDA-graph capture of it goes two-phase: build the two-phase
             # plans now (compiled kernels, tile tables copied to the GPU), since a capture cannot copy them.
             _two_phase_plans_ready(q, beta, B, T, H, cu, kda, init, final is not None, _last_choice[0].num_segments,
-                                   device)
+                                   device, _last_choice[0].overlap)
     key = (scheduler, B, T, H, cu, device, kda, init, AUTO_SEGMENTS, _merge.AFFINE_MERGE_IMPL)
     cached = _schedule_cache.get(key)
     if cached is None:
@@ -296,6 +304,11 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
 # (an explicit scheduler keeps the fused kernel); "1" always two-phase (a SegmentScheduler(num_segments=n) then
 # sets the state pass's segment count); "0" never.
 TWO_PHASE = os.environ.get("CUTE_KERNELS_TWO_PHASE", "auto")
+# The overlapped two-phase path (two_phase.OverlapPlan: phase 1 on a side stream publishing each chunk, the state
+# pass consuming it on SMs phase 1 leaves free; fixed-length batches whose 2 B H state CTAs fit in half the SMs).
+# CUTE_KERNELS_OVERLAP: "auto" takes it where `predicted_overlap_us` beats the planned two-phase time, "1"
+# wherever it fits (the state pass then in one segment), "0" never.
+OVERLAP = os.environ.get("CUTE_KERNELS_OVERLAP", "0")
 # An eager call (no CUDA-graph capture) takes max(host time, GPU time); "auto" then weighs each path by that.
 # Host time per call on the H200 machine (scripts/host_overhead.py paths, 2026-12-03): the fused kernel alone
 # 23 us (B=1 H=4 T=64, 9.8 us of GPU time), the two-phase path's two launches 38 us (T=64..256: 33.6-38.9 us
@@ -331,7 +344,7 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
     if mode == "0" or (mode == "auto" and scheduler is not None):
         return None
     key = (mode, scheduler if mode == "1" else None, B, T, H, cu, kda, init, AUTO_SEGMENTS, device,
-           _two_phase_module().state_pair(), _merge.AFFINE_MERGE_IMPL)
+           _two_phase_module().state_pair(), _merge.AFFINE_MERGE_IMPL, OVERLAP)
     choice = _two_phase_plans.get(key)
     if choice is None:
         from schedulers import Problem, SegmentScheduler, segmented_cost_us
@@ -344,8 +357,13 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
         forced = getattr(scheduler, "num_segments", None) if isinstance(scheduler, SegmentScheduler) else None
         n = forced or two_phase.plan_num_segments(problem, kda, init, sms, link)
         t2 = two_phase.predicted_us(problem, [n] * problem.num_seqs, kda, init, sms, link)
+        overlap = False
+        if OVERLAP != "0" and cu is None and two_phase.overlap_fits(B, H, sms):
+            t_ov = two_phase.predicted_overlap_us(problem, kda, sms)
+            if OVERLAP == "1" or t_ov < t2:
+                overlap, n, t2 = True, 1, t_ov
         if mode == "1":
-            choice = PathChoice(True, n, problem.num_seqs, t2)
+            choice = PathChoice(True, n, problem.num_seqs, t2, overlap=overlap)
         else:
             from schedulers import SegmentCost
 
@@ -356,7 +374,7 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
             e1 = max(t1, host_us(False, 3 if split1 else 1))
             e2 = max(t2, host_us(True, 4 if n > 1 else 2))
             choice = PathChoice(t2 < TWO_PHASE_MARGIN * t1, n, problem.num_seqs, t2, t1, fused,
-                                eager_two_phase=e2 < TWO_PHASE_MARGIN * e1)
+                                eager_two_phase=e2 < TWO_PHASE_MARGIN * e1, overlap=overlap)
         if len(_two_phase_plans) > 256:
             _two_phase_plans.clear()
         _two_phase_plans[key] = choice
@@ -378,21 +396,30 @@ def _two_phase_module():
 _two_phase_mod = None
 
 
-def _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, kda, device):
-    """`_forward` through ops/two_phase.py with `n` segments of the state pass, into o (and final, if not None).
-    The inputs are validated: the two phases' cached plans launch without checking them again."""
+def _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, kda, device, overlap=False):
+    """`_forward` through ops/two_phase.py with `n` segments of the state pass, into o (and final, if not None);
+    `overlap`: the overlapped path (`two_phase.OverlapPlan`, one segment). The inputs are validated: the two
+    phases' cached plans launch without checking them again."""
     two_phase = _two_phase_module()
     B, T, H, _ = k.shape
     g32 = g if g.dtype == torch.float32 else g.float()
+    if overlap:
+        plan = two_phase.overlap_plan(B, T, H, kda, q.dtype, beta.dtype, initial_state is not None,
+                                      final is not None, device, _sm_count(device))
+        plan.run(q, k, v, g32, beta, scale, initial_state, o, final)
+        return
     prep = two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device).run(q, k, v, g32, beta, scale,
                                                                                    reuse=True)
     plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, initial_state is not None, final is not None, n, device)
     plan.run(prep, initial_state, o, final)
 
 
-def _two_phase_plans_ready(q, beta, B, T, H, cu, kda, init, store_final, n, device):
+def _two_phase_plans_ready(q, beta, B, T, H, cu, kda, init, store_final, n, device, overlap=False):
     """Build (once; cached) the two-phase plans `_two_phase_forward` would use for this call, without running."""
     two_phase = _two_phase_module()
+    if overlap:
+        two_phase.overlap_plan(B, T, H, kda, q.dtype, beta.dtype, init, store_final, device, _sm_count(device))
+        return
     two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device)
     two_phase.state_plan(B, T, H, cu, kda, q.dtype, init, store_final, n, device)
 

@@ -105,9 +105,10 @@ def prep_chunks_per_tile(problem, kda: bool, slots: int) -> int:
 
 def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool, vec: bool | None = None,
                        prefetch: bool | None = None, slim: bool | None = None, dump_dir=None,
-                       profile: bool = False, pdl: bool | None = None):
+                       profile: bool = False, pdl: bool | None = None, publish: bool = False):
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
-    to the fused kernel's switches (KDA_VEC, KDA_PREFETCH); GDN's `slim` to PREP_SLIM."""
+    to the fused kernel's switches (KDA_VEC, KDA_PREFETCH); GDN's `slim` to PREP_SLIM. `publish`: the overlapped
+    path's build (persistent grid, per-chunk flags; see `OverlapPlan`)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
     from . import linear_attention as la
 
@@ -115,7 +116,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     prefetch = kda and (la.KDA_PREFETCH if prefetch is None else prefetch)
     slim = not kda and (PREP_SLIM if slim is None else slim)
     pdl = PDL if pdl is None else pdl
-    key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, pdl)
+    key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, pdl, publish)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -127,7 +128,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
 
         io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
         kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch, slim=slim,
-                               profile=profile, pdl=pdl)
+                               profile=profile, pdl=pdl, publish=publish)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN), align=4)   # noqa: E731
         args = (
@@ -138,11 +139,26 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
             cutlass.Int32(1),
             cutlass.Int32(1),
             f32(1.0),
+            fake_tensor(cutlass.Int32, (DYN,), align=4),   # flags (publish)
+            cutlass.Int32(1),                              # chunks per sequence
+            cutlass.Int32(1),                              # consumers per flag
             fake_stream(),
         )
         return kernel, args
 
     return compile_kernel(key, build, dump_dir=dump_dir)
+
+
+_no_flags: dict = {}
+
+
+def no_flags(device) -> tuple:
+    """The (flags, chunks per sequence, consumers) arguments of a phase-1 / state-pass launch that neither
+    publishes nor waits (the overlapped path's flags, unused): one int32 element per device, made once."""
+    key = str(device)
+    if key not in _no_flags:
+        _no_flags[key] = (torch.zeros(1, dtype=torch.int32, device=device), 0, 0)
+    return _no_flags[key]
 
 
 _POISON_PREP = False   # tests set it: phase 1's outputs start as NaN
@@ -204,6 +220,14 @@ def _cached_plan(cls, *key):
     return plan
 
 
+def allocate_terms(B, T, H, kda: bool, dtype, device) -> PrepTerms:
+    """Fresh (uninitialized) phase-1 terms of a [B, T, H, 128] call."""
+    wide = torch.empty((4, B, T, H, 128), dtype=dtype, device=device)   # qg, w, u, kg: one allocation
+    aqk = torch.empty((B, T, H, C), dtype=dtype, device=device)
+    eg = torch.empty((B, T, H, 128) if kda else (B, T, H), dtype=torch.float32, device=device)
+    return PrepTerms(*wide.unbind(0), aqk, eg, kda)
+
+
 class PrepPlan:
     """Phase 1 of one configuration, built once: the compiled kernel, the tile table on the device. `run` then
     allocates the terms and launches (no checks: the caller has validated its inputs)."""
@@ -222,15 +246,12 @@ class PrepPlan:
         schedule = schedule_from_segmentation(problem, seg, "prep")
         self.fn = compile_chunk_prep(io, beta_dtype, kda).fn if T else None
         self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
+        self.flag_args = no_flags(device)
         self.term_bytes = B * T * H * (4 * 128 * io.itemsize + C * io.itemsize + (128 if kda else 1) * 4)
 
     def allocate(self, dtype) -> PrepTerms:
         """Fresh (uninitialized) terms for one call."""
-        B, T, H = self.shape
-        wide = torch.empty((4, B, T, H, 128), dtype=dtype, device=self.device)   # qg, w, u, kg: one allocation
-        aqk = torch.empty((B, T, H, C), dtype=dtype, device=self.device)
-        eg = torch.empty((B, T, H, 128) if self.kda else (B, T, H), dtype=torch.float32, device=self.device)
-        return PrepTerms(*wide.unbind(0), aqk, eg, self.kda)
+        return allocate_terms(*self.shape, self.kda, dtype, self.device)
 
     def terms(self, dtype) -> PrepTerms:
         """The call's terms: small ones (host-bound calls: three allocations and the views cost ~13 us of a ~49 us
@@ -258,7 +279,7 @@ class PrepPlan:
             for x in (t.qg, t.w, t.u, t.kg, t.aqk, t.eg):
                 x.fill_(float("nan"))
         if self.fn is not None:
-            self.fn(q, k, v, g32, beta, t.qg, t.w, t.u, t.kg, t.aqk, t.eg, *self.launch, scale)
+            self.fn(q, k, v, g32, beta, t.qg, t.w, t.u, t.kg, t.aqk, t.eg, *self.launch, scale, *self.flag_args)
         return t
 
 
@@ -323,7 +344,8 @@ def state_pair() -> bool:
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                        mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None,
                        profile: bool = False, ring_decay: bool | None = None, tma_o: bool | None = None,
-                       u_fast: bool | None = None, pair: bool | None = None, pdl: bool | None = None):
+                       u_fast: bool | None = None, pair: bool | None = None, pdl: bool | None = None,
+                       consume: bool = False):
     """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `rs` defaults to
     STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs). `profile`: the diagnostic build whose
     final_state argument receives per-CTA phase cycles (`ChunkStatePassSm90` docstring)."""
@@ -337,7 +359,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     pair = (state_pair() and rs and ring_decay and not tma_o and not u_fast) if pair is None else pair
     pdl = PDL if pdl is None else pdl
     key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
-           profile, ring_decay, tma_o, u_fast, pair, pdl)
+           profile, ring_decay, tma_o, u_fast, pair, pdl, consume)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -350,7 +372,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
         io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
                                     num_stages=num_stages, profile=profile, ring_decay=ring_decay, tma_o=tma_o,
-                                    u_fast=u_fast, pair=pair, pdl=pdl)
+                                    u_fast=u_fast, pair=pair, pdl=pdl, consume=consume)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg
@@ -362,6 +384,8 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
             fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
             cutlass.Int32(1),
             cutlass.Int32(1),
+            fake_tensor(cutlass.Int32, (DYN,), align=4),   # flags (consume)
+            cutlass.Int32(1),                              # chunks per sequence
             fake_stream(),
         )
         return kernel, args
@@ -453,7 +477,7 @@ class StatePlan:
         pair = state_pair()
         schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device, pair)
         self.init, self.device, self.split, self.pair = init, device, summ is not None, pair
-        self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
+        self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0]) + no_flags(device)[:2]
         # an fp32 [1, 1, K, V] stand-in for a state the kernel neither reads nor writes (made here, not per call)
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
         if not self.split:
@@ -463,7 +487,7 @@ class StatePlan:
         self.merge = _merge.affine_merge_starts_plan(len(schedule.seg_offsets) - 1, H, self.slots,
                                                      schedule.seg_offsets, init, device, pdl=PDL)
         self.summary_fn = compile_state_pass(io, kda, False, False, mode="summary") if summ.num_tiles else None
-        self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0])
+        self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0]) + no_flags(device)[:2]
         self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs")
 
     def run(self, prep: PrepTerms, initial_state, o, final):
@@ -485,6 +509,103 @@ class StatePlan:
 
 def state_plan(B, T, H, cu, kda, io, init, final, num_segments, device) -> StatePlan:
     return _cached_plan(StatePlan, B, T, H, cu, kda, io, init, final, num_segments, device)
+
+
+class OverlapPlan:
+    """The overlapped two-phase forward (fixed-length batches, one segment per sequence), built once.
+
+    Phase 1 (`ChunkPrepSm90` with `publish`, one CTA per SM: persistent on `sms - state CTAs` CTAs, one chunk
+    per tile (the persistent CTA's load ring runs ahead across tiles), tiles ordered chunk-major so every
+    (sequence, head)'s earliest chunks come first) runs on a side
+    stream and is launched first; the state pass (`consume`, one CTA per (sequence, head, 64 V columns)) runs on
+    the caller's stream on the SMs phase 1 leaves free, each chunk as soon as phase 1 has published it. The call
+    then takes about max(phase 1 on fewer SMs, the state chain) instead of their sum. The caller's stream waits
+    for the side stream at the end (and the side stream for the caller's work before phase 1), so the call is
+    ordered like any other. Flags: int32 per (sequence, chunk, head), 0 between calls (each of the V / 64
+    state CTAs of a head takes one count back); one set per plan, so a plan must not run on two streams at once.
+
+    Deadlock freedom: phase 1 never waits on the state pass and is enqueued first; the state pass grid is kept
+    below the SM count (`overlap_fits`), so phase 1 always has SMs to finish on.
+    """
+
+    def __init__(self, B, T, H, kda, io, beta_dtype, init, final, device, sms):
+        from schedulers import Schedule, Segmentation, schedule_from_segmentation, split_even
+
+        if not overlap_fits(B, H, sms):
+            raise ValueError(f"overlapped path: {2 * B * H} state CTAs need fewer than {sms} SMs")
+        self.shape, self.kda, self.device = (B, T, H), kda, device
+        problem = _problem(B, T, H, None)
+        self.chunks_per_seq = problem.chunks[0]
+        state = schedule_from_segmentation(_problem(B, T, H, None, num_blocks=2),
+                                           Segmentation([split_even(c, 1) for c in problem.chunks]), "state-pass")
+        prep_seg = Segmentation([split_even(c, c) for c in problem.chunks])   # one chunk per tile
+        tiles = schedule_from_segmentation(problem, prep_seg, "prep").tiles
+        tiles = sorted(tiles, key=lambda t: (t.chunk_start, t.seq, t.head))   # chunk-major
+        ctas = max(1, min(len(tiles), sms - state.num_tiles))
+        prep = Schedule(tiles, (ctas, 1, 1), True, prep_seg, "prep-overlap")
+        self.flags = torch.zeros(B * self.chunks_per_seq * H, dtype=torch.int32, device=device)
+        self.prep_fn = compile_chunk_prep(io, beta_dtype, kda, slim=False, publish=True).fn
+        self.prep_launch = (prep.table_on(device), prep.num_tiles, ctas)
+        self.state_fn = compile_state_pass(io, kda, init, final, consume=True).fn
+        self.state_launch = (state.table_on(device), state.num_tiles, state.grid[0], self.flags, self.chunks_per_seq)
+        self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
+        self.init = init
+        self.prep_ctas, self.state_ctas = ctas, state.num_tiles
+
+    def run(self, q, k, v, g32, beta, scale: float, initial_state, o, final):
+        """The call: fresh terms (the caching allocator keeps them alive past the side stream's use: the caller's
+        stream waits for it before anything can reuse them), phase 1 on the side stream, the state pass here."""
+        dummy = final if final is not None else self.dummy
+        t = allocate_terms(*self.shape, self.kda, q.dtype, self.device)
+        if _POISON_PREP:   # tests: every element the state pass reads must have been written (and published)
+            for x in (t.qg, t.w, t.u, t.kg, t.aqk, t.eg):
+                x.fill_(float("nan"))
+        main = torch.cuda.current_stream(self.device)
+        side = _side_stream(self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self.prep_fn(q, k, v, g32, beta, t.qg, t.w, t.u, t.kg, t.aqk, t.eg, *self.prep_launch, scale,
+                         self.flags, self.chunks_per_seq, 2)
+        self.state_fn(t.qg, t.w, t.u, t.kg, t.aqk, t.eg, o, initial_state if self.init else dummy, dummy,
+                      *self.state_launch)
+        main.wait_stream(side)
+        return o, final
+
+
+_side_streams: dict = {}
+
+
+def _side_stream(device):
+    """The overlapped path's phase-1 stream of `device` (one, made once)."""
+    key = str(device)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(device)
+    return _side_streams[key]
+
+
+def overlap_fits(B: int, H: int, sms: int) -> bool:
+    """Whether the overlapped path may run: its state CTAs (two per (sequence, head)) leave at least half the SMs
+    to phase 1 (below that phase 1 on the rest is slower than the two phases in turn anyway)."""
+    return 0 < 2 * B * H <= sms // 2
+
+
+def overlap_plan(B, T, H, kda, io, beta_dtype, init, final, device, sms) -> OverlapPlan:
+    return _cached_plan(OverlapPlan, B, T, H, kda, io, beta_dtype, init, final, device, sms)
+
+
+def predicted_overlap_us(problem, kda: bool, slots: int) -> float:
+    """Predicted GPU time of the overlapped path (fixed length, one segment): phase 1's one-chunk tiles on the
+    SMs the state CTAs leave (one CTA per SM, PREP_CHUNK_US per chunk), and the state chain, which can start a
+    chunk only once phase 1 has published it: max(phase 1 + the last chunk's chain step, first chunk + chain)."""
+    from schedulers.heuristics import makespan
+
+    H = problem.num_heads
+    state_ctas = 2 * problem.num_seqs * H
+    free = max(1, slots - state_ctas)
+    t_prep = makespan([1] * (sum(problem.chunks) * H), free) * PREP_CHUNK_US[kda]
+    chunk_us = STATE_CHUNK_US[kda]
+    t_chain = max(problem.chunks) * chunk_us
+    return max(t_prep + chunk_us, PREP_CHUNK_US[kda] + t_chain) + 2 * LAUNCH_US
 
 
 def state_pass_torch(prep: PrepTerms, initial_state=None):

@@ -40,6 +40,14 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     `pdl`: every CTA starts with `griddepcontrol.launch_dependents`, so a state pass launched with PDL starts its
     prologue once this grid's last wave has begun (it waits for the whole grid before reading the terms).
 
+    `publish` (the overlapped path: the state pass runs at the same time, on SMs this grid leaves free): the grid
+    is persistent (CTA b takes tiles b, b + grid, ...; the op orders tiles chunk-major, so the earliest chunks of
+    every (sequence, head) come first), and after each chunk's terms are stored and the consumers' barrier has
+    passed, consumer thread 0 publishes the chunk: a gpu-scope release fence, then `flags[(seq * chunks_per_seq +
+    chunk) * H + head] += consumers` (an atomic release add; `consumers`: the state-pass CTAs that read the
+    chunk, each of which takes one back after its acquire -- so every flag is 0 again when the call ends).
+    This grid never waits on anything, so the state pass spinning on the flags cannot deadlock it.
+
     `profile` (diagnostics only; its eg output is not written): consumer thread 0 sums clock64 cycles per step of
     every chunk -- (0) gates, (1) the q/k/v wait, (2) Akk/Aqk, (3) qg/kg stores (slim), (4) solve, (5) w/u
     products, (6) global stores + release -- and writes them, its chunk count (7) and the CTA's whole time (8) as
@@ -49,7 +57,8 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     PROFILE_FIELDS = 16
 
     def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
-                 prefetch_gates: bool = False, slim: bool = False, profile: bool = False, pdl: bool = False):
+                 prefetch_gates: bool = False, slim: bool = False, profile: bool = False, pdl: bool = False,
+                 publish: bool = False):
         super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
                          vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
         if slim and kda:
@@ -61,6 +70,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         self.ctas_per_sm = 2 if slim else 1
         self.profile = profile
         self.pdl = pdl
+        self.publish = publish
 
     @cute.jit
     def __call__(
@@ -80,6 +90,9 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         num_tiles: Int32,
         grid_x: Int32,
         scale: Float32,
+        flags: cute.Tensor,  # publish: int32 [(sequences x chunks per sequence) x H] (else any int32 tensor)
+        chunks_per_seq: Int32,
+        consumers: Int32,
         stream,
     ):
         q, k, v, g, beta = flat(q), flat(k), flat(v), flat(g), flat(beta)
@@ -91,7 +104,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             self.set_shared_storage()
         self.prep_kernel(
             tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-            g, beta, qg, w, u, kg, aqk, eg, tiles, num_tiles, scale,
+            g, beta, qg, w, u, kg, aqk, eg, tiles, num_tiles, scale, flags, chunks_per_seq, consumers,
         ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
                   min_blocks_per_mp=self.ctas_per_sm,
                   # a fixed carveout (all of the SM for shared memory): no device query when compiling
@@ -132,6 +145,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         mG: cute.Tensor, mBeta: cute.Tensor,
         mQg: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor, mA: cute.Tensor, mEg: cute.Tensor,
         mTiles: cute.Tensor, num_tiles: Int32, scale: Float32,
+        mFlags: cute.Tensor, chunks_per_seq: Int32, consumers: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(self.pdl):
@@ -149,7 +163,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
             tx_count=self.tma_bytes,
         )
-        sched = TileScheduler.create(mTiles, num_tiles, False)
+        sched = TileScheduler.create(mTiles, num_tiles, self.publish)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
@@ -161,7 +175,8 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                               self.view(st.sQ, C, 128, ns), self.view(st.sK, C, 128, ns),
                               self.view(st.sV, C, 128, ns))
             else:
-                self.prep_consumer(sched, load, wg, tidx, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st)
+                self.prep_consumer(sched, load, wg, tidx, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st,
+                                   mFlags, chunks_per_seq, consumers)
         else:
             if wg == 0:
                 cute.arch.setmaxregister_decrease(40)
@@ -172,10 +187,11 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             else:
                 cute.arch.setmaxregister_increase(232)
                 self.prep_consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale,
-                                   st)
+                                   st, mFlags, chunks_per_seq, consumers)
 
     @cute.jit
-    def prep_consumer(self, sched, load, j, ctid, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st):
+    def prep_consumer(self, sched, load, j, ctid, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st, mFlags,
+                      chunks_per_seq, consumers):
         kda = self.kda
         wtid = ctid % 128
         v0 = j * HALF
@@ -347,8 +363,15 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                     cute.arch.fence_proxy("async.shared", space="cta")
                 load.consumer_release(state)
                 state.advance()
-                # Protects every smem buffer from the next chunk's writers.
+                # Protects every smem buffer from the next chunk's writers (and orders every consumer thread's
+                # stores of this chunk before thread 0's release below).
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                if cutlass.const_expr(self.publish):
+                    if ctid == 0:
+                        num_heads = mBeta.shape[1]
+                        idx = (work.seq * chunks_per_seq + work.chunk_start + c) * num_heads + head
+                        cute.arch.fence_acq_rel_gpu()
+                        cute.arch.atomic_add(mFlags.iterator + idx, consumers, sem="release", scope="gpu")
                 self.stamp(prof, 6)
             work = sched.advance(work)
         if cutlass.const_expr(self.profile):

@@ -79,6 +79,13 @@ class ChunkStatePassSm90:
     barrier setup, before any global read (phase 1's terms, the merge's start states), then
     `griddepcontrol.launch_dependents` so the next launch can start its own prologue.
 
+    `consume` (forward mode, the overlapped path: phase 1 runs at the same time with `publish`): before loading
+    chunk c of a tile, the producer warp's lane 0 spins on `flags[(seq * chunks_per_seq + chunk) * H + head]`
+    with gpu-scope acquire reads until phase 1 has published the chunk, takes one count back (so the flags end
+    the call at 0), and the warp syncs and fences the generic proxy against the async one before its TMA loads
+    and eg reads. Phase 1 never waits on this grid, so the spin cannot deadlock as long as phase 1 has SMs: the
+    op launches phase 1 first and keeps this grid below the SM count.
+
     `profile` (rs, diagnostics only): the consumer sums clock64 cycles per phase of every chunk -- (0) exp(G_last)
     load and ring wait, (1) first products and their wait, (2) subtraction and conversion of v_new, (4) second
     products issued, o's wait and o^T stored, (3) the state update's wait and the release -- and thread 0 of the
@@ -96,7 +103,7 @@ class ChunkStatePassSm90:
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                  mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False,
                  ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False, pair: bool = False,
-                 pdl: bool = False):
+                 pdl: bool = False, consume: bool = False):
         if mode not in ("forward", "segment_outputs", "summary"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
@@ -122,6 +129,9 @@ class ChunkStatePassSm90:
         self.tma_o = tma_o and mode != "summary"
         self.pair = pair
         self.pdl = pdl
+        if consume and mode != "forward":
+            raise ValueError("consume (the overlapped path) is a forward-mode option")
+        self.consume = consume
         self.num_consumers = 2 if pair else 1
         self.num_threads = 128 * (1 + self.num_consumers)
         self.u_cols = V_BLOCK * self.num_consumers   # u columns per ring stage (pair: both V blocks)
@@ -146,6 +156,8 @@ class ChunkStatePassSm90:
         tiles: cute.Tensor,          # [num_tiles, NUM_TILE_FIELDS] int32
         num_tiles: Int32,
         grid_x: Int32,
+        flags: cute.Tensor,          # consume: int32 [(sequences x chunks per sequence) x H] (else any int32)
+        chunks_per_seq: Int32,
         stream,
     ):
         io = self.io_dtype
@@ -207,7 +219,8 @@ class ChunkStatePassSm90:
         self.smem_bytes = self.shared_storage.size_in_bytes()
         assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB of an SM90 CTA"
         self.kernel(tma_qg, tma_qg_t, tma_w, tma_w_t, tma_kg, tma_kg_t, tma_u, tma_u_t, tma_a, tma_a_t,
-                    tma_os, tma_os_t, eg, o, initial_state, final_state, tiles, num_tiles).launch(
+                    tma_os, tma_os_t, eg, o, initial_state, final_state, tiles, num_tiles, flags,
+                    chunks_per_seq).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.pdl,
         )
@@ -222,7 +235,7 @@ class ChunkStatePassSm90:
         tma_a: cute.CopyAtom, mA: cute.Tensor,
         tma_os: cute.CopyAtom, mOT: cute.Tensor,
         mEg: cute.Tensor, mO: cute.Tensor, mS0: cute.Tensor, mSN: cute.Tensor,
-        mTiles: cute.Tensor, num_tiles: Int32,
+        mTiles: cute.Tensor, num_tiles: Int32, mFlags: cute.Tensor, chunks_per_seq: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -265,7 +278,8 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.outputs):
                     loads = loads + ((tma_qg, mQg, sQg, K_DIM, False), (tma_a, mA, sA, C, False))
                 sEg = st.sEg.get_tensor(cute.make_layout((K_DIM, ns), stride=(1, K_DIM)))
-                self.producer(sched, load, loads, mU.shape[1] // self.u_cols, mEg, sEg, tidx % 32)
+                self.producer(sched, load, loads, mU.shape[1] // self.u_cols, mEg, sEg, tidx % 32, mFlags,
+                              chunks_per_seq)
         else:
             cute.arch.setmaxregister_increase(232)
             if cutlass.const_expr(self.rs):
@@ -282,7 +296,7 @@ class ChunkStatePassSm90:
                 self.consumer(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
 
     @cute.jit
-    def producer(self, sched, load, loads, n_vb, mEg, sEg, lane):
+    def producer(self, sched, load, loads, n_vb, mEg, sEg, lane, mFlags, chunks_per_seq):
         """One chunk per ring stage: the five tiles of `loads` ((atom, tensor, smem, columns, by_block): the column
         tile is the work tile's block where `by_block` (u), else 0; `n_vb`: the number of u column tiles), and with
         `ring_decay` the chunk's exp(G_last) (from `mEg` into the stage's column of `sEg`, by the warp's lanes)."""
@@ -296,6 +310,9 @@ class ChunkStatePassSm90:
                 if blk >= n_vb:
                     blk = Int32(0)   # M columns: u is not used (any in-bounds tile keeps the byte count)
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
+                if cutlass.const_expr(self.consume):
+                    self.wait_published(mFlags, (work.seq * chunks_per_seq + work.chunk_start + c) * mEg.shape[1]
+                                        + head, lane)
                 if cutlass.const_expr(self.ring_decay):
                     # exp(G_last) into registers first (its latency under the wait for a free stage), into the
                     # stage once it is free, then the arrive that publishes it with the TMA bytes
@@ -326,6 +343,19 @@ class ChunkStatePassSm90:
                 state.advance()
             work = sched.advance(work)
         load.producer_tail(state)
+
+    @cute.jit
+    def wait_published(self, mFlags, idx, lane):
+        """`consume`: wait (lane 0, gpu-scope acquire reads) until phase 1 has published flag `idx`, take one count
+        back, then order the warp's later generic reads (eg) and async-proxy reads (TMA) after the acquire."""
+        if lane == 0:
+            ptr = mFlags.iterator + idx
+            seen = cute.arch.atomic_add(ptr, Int32(0), sem="acquire", scope="gpu")
+            while seen == 0:
+                seen = cute.arch.atomic_add(ptr, Int32(0), sem="acquire", scope="gpu")
+            cute.arch.atomic_add(ptr, Int32(-1), sem="relaxed", scope="gpu")
+        cute.arch.sync_warp()
+        cute.arch.fence_proxy("async.global")
 
     @cute.jit
     def consumer(self, sched, load, wtid, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st):

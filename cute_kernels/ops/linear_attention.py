@@ -306,9 +306,13 @@ def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
 TWO_PHASE = os.environ.get("CUTE_KERNELS_TWO_PHASE", "auto")
 # The overlapped two-phase path (two_phase.OverlapPlan: phase 1 on a side stream publishing each chunk, the state
 # pass consuming it on SMs phase 1 leaves free; fixed-length batches whose 2 B H state CTAs fit in half the SMs).
-# CUTE_KERNELS_OVERLAP: "auto" takes it where `predicted_overlap_us` beats the planned two-phase time, "1"
-# wherever it fits (the state pass then in one segment), "0" never.
-OVERLAP = os.environ.get("CUTE_KERNELS_OVERLAP", "0")
+# CUTE_KERNELS_OVERLAP: "auto" (default) takes it where `predicted_overlap_us` beats the planned two-phase time,
+# "1" wherever it fits (the state pass then in one segment), "0" never. Measured (H200, session 13, graph replay,
+# `scripts/time_two_phase.py overlap`): KDA at B*H = 16 T = 2048-8192 4-7% faster than the plain plan (B=1 H=16
+# T=4096 204.0 -> 190.8 us), GDN B=1 H=16 T=2048 75.9 -> 68.6, GDN T >= 4096 equal or slower (the chain runs
+# ~1.75 us per chunk beside phase 1), B=1 H=8 T=8192 slower for both (a 5-segment plan wins there); the GPU tests
+# (reference, run-to-run and plain-path bitwise equality, flags back at 0) passed.
+OVERLAP = os.environ.get("CUTE_KERNELS_OVERLAP", "auto")
 # An eager call (no CUDA-graph capture) takes max(host time, GPU time); "auto" then weighs each path by that.
 # Host time per call on the H200 machine (scripts/host_overhead.py paths, 2026-12-03): the fused kernel alone
 # 23 us (B=1 H=4 T=64, 9.8 us of GPU time), the two-phase path's two launches 38 us (T=64..256: 33.6-38.9 us

@@ -148,6 +148,25 @@ def _variants() -> list[Variant]:
                                ".reqntid 288", "griddepcontrol.launch_dependents"),
                 archs=("sm_90a",),
             ))
+        # The overlapped path: phase 1 publishing per-chunk flags (GDN's build) and the state pass waiting on them
+        # (KDA's build); the flag code is the same for both ops, so one build of each side checks it.
+        if not kda:
+            out.append(Variant(
+                op, f"{tag}_chunk_prep_sm90_bfloat16_publish",
+                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=False, dump_dir=d,
+                                             pdl=True, publish=True),
+                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "fence.acq_rel.gpu",
+                               "atom.global.release.add"),
+                archs=("sm_90a",),
+            ))
+        else:
+            out.append(Variant(
+                op, f"{tag}_state_pass_sm90_bfloat16_consume",
+                lambda d: compile_state_pass(torch.bfloat16, True, True, True, dump_dir=d, consume=True),
+                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "atom.global.acquire.add",
+                               "fence.proxy.async.global"),
+                archs=("sm_90a",),
+            ))
         for mode, init, final in (("forward", True, True), ("summary", False, False),
                                   ("segment_outputs", True, True)):
             for rs in (False, True):   # rs: the state chain in registers (its S update is one m64n128 product)

@@ -322,6 +322,33 @@ def time_pdl():
                   + f" | bitwise equal {same}, NaN {nan}", flush=True)
 
 
+def time_op_settings(op_names, cells, settings, restore, extra=None):
+    """The op (scheduler=None) under each of `settings` ((label, set) pairs: `set()` switches a module setting
+    before the call; `restore()` undoes it after each), FLA in the same run: GPU time from graph replay, the
+    plan's segment count, max relative error against FLA, NaN; `extra(op, B, H, T)` may add a last field."""
+    for op in op_names:
+        ours, _ = ops.load_ours(op)
+        _, peer = ops.load_peer(op)
+        for B, H, T in cells:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            want = peer(x)
+            tf = graph_us(lambda: peer(x), calls=5, reps=5)
+            line = [f"FLA {tf:.1f} us"]
+            for label, set_it in settings:
+                set_it()
+                try:
+                    got = ops.call_ours(op, ours, x)
+                    n = planned_segments()
+                    t = graph_us(lambda: ops.call_ours(op, ours, x), calls=5, reps=5)
+                finally:
+                    restore()
+                nan = any(y.isnan().any().item() for y in ops.output_tensors(got) if y is not None)
+                line.append(f"{label} N={n} {t:.1f} us ({tf / t:.2f}x, err {ops.max_rel_err(got, want):.1e}, NaN {nan})")
+            if extra is not None:
+                line.append(extra(op, B, H, T))
+            print(f"{op} op B={B} H={H} T={T}: " + " | ".join(line), flush=True)
+
+
 def time_merge():
     """The op ("auto" path, its own segment count for each merge variant's link cost) with the affine merge forced
     to each of MERGE_IMPLS (default prefetch,regs), FLA in the same run: GPU time from graph replay, the segment
@@ -330,23 +357,9 @@ def time_merge():
 
     cells = [(1, 4, 2048), (1, 4, 4096), (1, 4, 8192), (1, 4, 16384), (1, 8, 8192), (2, 4, 16384), (1, 16, 4096)]
     impls = os.environ.get("MERGE_IMPLS", "prefetch,regs").split(",")
-    for op in os.environ.get("MERGE_OPS", "gdn,kda").split(","):
-        ours, _ = ops.load_ours(op)
-        _, peer = ops.load_peer(op)
-        for B, H, T in cells:
-            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
-            want = peer(x)
-            tf = graph_us(lambda: peer(x), calls=5, reps=5)
-            line = [f"FLA {tf:.1f} us"]
-            for impl in impls:
-                merge_ops.AFFINE_MERGE_IMPL = impl
-                got = ops.call_ours(op, ours, x)
-                n = planned_segments()
-                t = graph_us(lambda: ops.call_ours(op, ours, x), calls=5, reps=5)
-                nan = any(y.isnan().any().item() for y in ops.output_tensors(got) if y is not None)
-                line.append(f"{impl} N={n} {t:.1f} us ({tf / t:.2f}x, err {ops.max_rel_err(got, want):.1e}, NaN {nan})")
-            merge_ops.AFFINE_MERGE_IMPL = "auto"
-            print(f"{op} op B={B} H={H} T={T}: " + " | ".join(line), flush=True)
+    settings = [(impl, lambda impl=impl: setattr(merge_ops, "AFFINE_MERGE_IMPL", impl)) for impl in impls]
+    time_op_settings(os.environ.get("MERGE_OPS", "gdn,kda").split(","), cells, settings,
+                     lambda: setattr(merge_ops, "AFFINE_MERGE_IMPL", "auto"))
 
 
 def kernel_times(fn, reps: int = 5) -> list[tuple[str, float]]:
@@ -406,34 +419,15 @@ def time_phases():
 def time_overlap():
     """The op (scheduler=None) with the overlapped path off (its usual plan) and forced (CUTE_KERNELS_OVERLAP=1),
     FLA in the same run: GPU time from graph replay, the plan's segment count, max relative error against FLA,
-    NaN, and the model's predictions. OVERLAP_OPS=gdn,kda picks the ops."""
+    NaN, and the model's prediction. OVERLAP_OPS=gdn,kda picks the ops."""
     from schedulers import Problem
 
     cells = [(1, 16, 2048), (1, 16, 4096), (1, 16, 8192), (2, 8, 4096), (1, 8, 8192), (4, 4, 8192)]
-    for op in os.environ.get("OVERLAP_OPS", "gdn,kda").split(","):
-        kda = op == "kda"
-        ours, _ = ops.load_ours(op)
-        _, peer = ops.load_peer(op)
-        for B, H, T in cells:
-            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
-            want = peer(x)
-            tf = graph_us(lambda: peer(x), calls=5, reps=5)
-            line = [f"FLA {tf:.1f} us"]
-            for mode in ("0", "1"):
-                la.OVERLAP = mode
-                try:
-                    got = ops.call_ours(op, ours, x)
-                    n = planned_segments()
-                    t = graph_us(lambda: ops.call_ours(op, ours, x), calls=5, reps=5)
-                finally:
-                    la.OVERLAP = "0"
-                nan = any(y.isnan().any().item() for y in ops.output_tensors(got) if y is not None)
-                line.append(f"{'overlap' if mode == '1' else 'plain'} N={n} {t:.1f} us ({tf / t:.2f}x, "
-                            f"err {ops.max_rel_err(got, want):.1e}, NaN {nan})")
-            p = Problem.fixed(B, T, H)
-            line.append(f"model overlap {two_phase.predicted_overlap_us(p, kda, 132):.0f} us")
-            print(f"{op} op B={B} H={H} T={T}: " + " | ".join(line), flush=True)
-
+    settings = [("plain", lambda: setattr(la, "OVERLAP", "0")), ("overlap", lambda: setattr(la, "OVERLAP", "1"))]
+    model = lambda op, B, H, T: (   # noqa: E731
+        f"model overlap {two_phase.predicted_overlap_us(Problem.fixed(B, T, H), op == 'kda', 132):.0f} us")
+    time_op_settings(os.environ.get("OVERLAP_OPS", "gdn,kda").split(","), cells, settings,
+                     lambda: setattr(la, "OVERLAP", "auto"), model)
 
 MODES = {"overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}

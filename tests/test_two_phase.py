@@ -412,6 +412,12 @@ def test_overlap_plan_and_choice(monkeypatch):
         assert n > 1 and "overlapped" not in la.last_plan()
         la._two_phase_segments(None, 1, 4096, 16, (0, 1000, 4096), cpu, kda, False)   # varlen: never
         assert "overlapped" not in (la.last_plan() or "")
+    monkeypatch.setattr(la, "TWO_PHASE", "1")   # a forced segment count stays forced under "auto"
+    from schedulers import SegmentScheduler
+
+    assert la._two_phase_segments(SegmentScheduler(num_segments=3), 1, 8192, 16, None, cpu, True, False) == 3
+    assert "overlapped" not in la.last_plan()
+    monkeypatch.setattr(la, "TWO_PHASE", "auto")
     monkeypatch.setattr(la, "OVERLAP", "0")
     la._two_phase_segments(None, 1, 4096, 16, None, cpu, False, False)
     assert "overlapped" not in la.last_plan()

@@ -362,7 +362,8 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
         n = forced or two_phase.plan_num_segments(problem, kda, init, sms, link)
         t2 = two_phase.predicted_us(problem, [n] * problem.num_seqs, kda, init, sms, link)
         overlap = False
-        if OVERLAP != "0" and cu is None and two_phase.overlap_fits(B, H, sms):
+        # "auto" never overrides a segment count the caller forced (SegmentScheduler(num_segments=n))
+        if OVERLAP != "0" and cu is None and two_phase.overlap_fits(B, H, sms) and (forced is None or OVERLAP == "1"):
             t_ov = two_phase.predicted_overlap_us(problem, kda, sms)
             if OVERLAP == "1" or t_ov < t2:
                 overlap, n, t2 = True, 1, t_ov

@@ -135,9 +135,11 @@ def _variants() -> list[Variant]:
         out.append(Variant(
             op, f"{tag}_chunk_prep_sm90_bfloat16",
             lambda d, kda=kda: compile_chunk_prep(torch.bfloat16, torch.bfloat16, kda, slim=False, dump_dir=d,
-                                                  pdl=True),
+                                                  pdl=True, row_anchors=kda),
             ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "st.global.v4",
-                           "griddepcontrol.launch_dependents"),
+                           "griddepcontrol.launch_dependents")
+            # KDA: the row-anchored Akk / Aqk's band products (64 x 48 and 64 x 32)
+            + (("wgmma.mma_async.sync.aligned.m64n48k16",) if kda else ()),
             archs=("sm_90a",),
         ))
         if not kda:   # GDN's slim phase 1: two CTAs per SM, 288 threads, no register reallocation
@@ -146,6 +148,15 @@ def _variants() -> list[Variant]:
                 lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=True, dump_dir=d, pdl=True),
                 ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4", ".minnctapersm 2",
                                ".reqntid 288", "griddepcontrol.launch_dependents"),
+                archs=("sm_90a",),
+            ))
+        else:   # KDA's phase 1 builds with the row-anchored Akk / Aqk by default (m64n48 / n32 band products);
+            # the column form stays selectable (CUTE_KERNELS_KDA_ROW_ANCHORS=0)
+            out.append(Variant(
+                op, f"{tag}_chunk_prep_sm90_bfloat16_columns",
+                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, True, dump_dir=d, pdl=True,
+                                             row_anchors=False),
+                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4"),
                 archs=("sm_90a",),
             ))
         # The overlapped path: phase 1 publishing per-chunk flags (GDN's build) and the state pass waiting on them

@@ -167,7 +167,8 @@ def chain_profile(fn, terms, u, launch):
 def time_prep_profile():
     """Phase 1 (GDN slim, two CTAs per SM; KDA one per SM): its time, then the profile build's cycles per chunk by
     step (consumer thread 0 of each CTA) and the CTAs' average lifetime per chunk. PREP_CPT=1,2,4 sets the chunks
-    per tile tried; PREP_PROFILE_OPS=gdn,kda the ops."""
+    per tile tried; PREP_PROFILE_OPS=gdn,kda the ops; KDA runs each of PREP_FORMS=rows,columns (its Akk / Aqk
+    form, `row_anchors`)."""
     from schedulers import Segmentation, schedule_from_segmentation, split_even
 
     cpts = [int(c) for c in os.environ.get("PREP_CPT", "2").split(",")]
@@ -180,28 +181,35 @@ def time_prep_profile():
             args = (x["q"], x["k"], x["v"], x["g"].float(), x["beta"])
             chunks = -(-T // 64)
             problem = two_phase._problem(B, T, H, None)
-            for cpt in cpts:
+            forms = os.environ.get("PREP_FORMS", "rows,columns").split(",") if kda else ["-"]
+            for cpt, form in [(c, f) for c in cpts for f in forms]:
+                ra = None if form == "-" else form == "rows"
                 seg = Segmentation([split_even(c, max(1, -(-c // cpt))) for c in problem.chunks])
                 sch = schedule_from_segmentation(problem, seg, "prep")
                 launch = (sch.table_on(x["q"].device), sch.num_tiles, sch.grid[0])
                 t = two_phase.PrepPlan(B, T, H, None, kda, torch.bfloat16, x["beta"].dtype, x["q"].device,
                                        cpt).allocate(torch.bfloat16)
                 terms = (t.qg, t.w, t.u, t.kg, t.aqk, t.eg)
-                fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, kda).fn
-                us = graph_us(lambda: fn(*args, *terms, *launch, 128 ** -0.5))
-                print(f"{op} prep B={B} H={H} T={T} chunks/tile {cpt} ({sch.num_tiles} CTAs): {us:.1f} us "
+                fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, kda, row_anchors=ra).fn
+                flags = two_phase.no_flags(x["q"].device)
+                us = graph_us(lambda: fn(*args, *terms, *launch, 128 ** -0.5, *flags))
+                print(f"{op} prep {form} B={B} H={H} T={T} chunks/tile {cpt} ({sch.num_tiles} CTAs): {us:.1f} us "
                       f"({us * slots / (B * H * chunks):.2f} us/chunk/CTA)", flush=True)
-                fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, kda, profile=True).fn
+                fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, kda, profile=True,
+                                                  row_anchors=ra).fn
                 t.eg.zero_()
-                fn(*args, *terms, *launch, 128 ** -0.5)
+                fn(*args, *terms, *launch, 128 ** -0.5, *flags)
                 torch.cuda.synchronize()
                 n = sch.num_tiles
                 p = t.eg.flatten()[: 16 * n].view(n, 16).double()
                 nch = p[:, 7].sum().item()
                 cyc = (p[:, :7].sum(0) / nch).tolist()
                 life = (p[:, 8].sum() / nch).item()
+                sub = (p[:, 9:11].sum(0) / nch).tolist()   # row_anchors: step 2's factor pass, band products
                 print("  profile, cycles per chunk: " + ", ".join(f"{a} {b:.0f}" for a, b in zip(names, cyc))
-                      + f" | sum {sum(cyc):.0f}, CTA lifetime per chunk {life:.0f}", flush=True)
+                      + f" | sum {sum(cyc) + sum(sub):.0f}, CTA lifetime per chunk {life:.0f}"
+                      + (f" | Akk/Aqk parts: factor pass {sub[0]:.0f}, band products {sub[1]:.0f}, rest {cyc[2]:.0f}"
+                         if ra else ""), flush=True)
 
 
 def time_paths():

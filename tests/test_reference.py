@@ -593,14 +593,15 @@ def _assert_intra_matches(q, k, g, beta):
     from cute_kernels.reference.kda_intra import intra_chunk_blocked, intra_chunk_exact
 
     scale = k.shape[-1] ** -0.5
-    Akk, Aqk = intra_chunk_blocked(q, k, g, beta, scale=scale, operand_dtype=torch.float32)
     want_kk, want_qk = intra_chunk_exact(q, k, g, beta, scale=scale)
-    assert torch.isfinite(Akk).all() and torch.isfinite(Aqk).all()
-    assert (Akk.double() - want_kk).abs().max() <= 1e-5
-    assert (Aqk.double() - want_qk).abs().max() <= 1e-5
-    Akk16, Aqk16 = intra_chunk_blocked(q, k, g, beta, scale=scale)
-    assert (Akk16.double() - want_kk).abs().max() <= 2e-2
-    assert (Aqk16.double() - want_qk).abs().max() <= 2e-2
+    for form in ("columns", "rows"):
+        Akk, Aqk = intra_chunk_blocked(q, k, g, beta, scale=scale, operand_dtype=torch.float32, form=form)
+        assert torch.isfinite(Akk).all() and torch.isfinite(Aqk).all()
+        assert (Akk.double() - want_kk).abs().max() <= 1e-5, form
+        assert (Aqk.double() - want_qk).abs().max() <= 1e-5, form
+        Akk16, Aqk16 = intra_chunk_blocked(q, k, g, beta, scale=scale, form=form)
+        assert (Akk16.double() - want_kk).abs().max() <= 2e-2, form
+        assert (Aqk16.double() - want_qk).abs().max() <= 2e-2, form
 
 
 @pytest.mark.parametrize("decay", [0.1, 1.0, 20.0])

@@ -125,6 +125,30 @@ def test_prep_kernel_matches_torch_prep(kda, slim, B, T, H, chunks_per_tile, mon
 
 
 @requires_sm90
+@pytest.mark.parametrize("row_anchors", [True, False])
+@pytest.mark.parametrize("B,T,H", [(1, 512, 2), (2, 1000, 3)])
+def test_kda_prep_forms_on_fast_and_exact_chunks(row_anchors, B, T, H, monkeypatch):
+    """KDA phase 1 in both Akk / Aqk forms (row- and column-anchored), on tiles that mix fast-path chunks with
+    chunks past the anchor limit (every other chunk: channel 5 decays by g = -6 per step, 16 x 6 / ln 2 > 112
+    in log2 units), which take the exact path."""
+    monkeypatch.setattr(two_phase, "KDA_ROW_ANCHORS", row_anchors)
+    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
+    gen = torch.Generator().manual_seed(7 + B * T + H)
+    q, k, v, g, beta, _ = make(B, T, H, True, gen, dtype=torch.bfloat16, device="cuda")
+    strong = (torch.arange(T, device="cuda") // 64) % 2 == 1
+    g[:, strong, :, 5] = -6.0
+    want = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=True)
+    for chunks_per_tile in (1, 2):
+        got = two_phase.chunk_prep(q, k, v, g, beta, kda=True, chunks_per_tile=chunks_per_tile)
+        again = two_phase.chunk_prep(q, k, v, g, beta, kda=True, chunks_per_tile=chunks_per_tile)
+        for name in ("qg", "w", "u", "kg", "aqk"):
+            x, y = getattr(got, name), getattr(want, name)
+            assert not x.isnan().any(), name
+            assert rel_err(x, y) <= 1e-2, (name, chunks_per_tile, rel_err(x, y))
+            assert torch.equal(x, getattr(again, name)), f"{name}: run-to-run difference"
+
+
+@requires_sm90
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("B,T,H,with_init,N", [(2, 1000, 3, True, 1), (1, 4096, 4, False, 1), (2, 1000, 3, True, 3),
                                                (1, 4096, 4, False, 8), (1, 4096, 4, True, 32)])
@@ -434,6 +458,13 @@ def test_auto_path_choice(monkeypatch):
     la._two_phase_plans.clear()
     cpu = torch.device("cpu")
     monkeypatch.setattr(la, "TWO_PHASE", "auto")
+    # KDA's row-anchored phase 1 (12.1 us per chunk per CTA) makes the model prefer two-phase even at 1024 pairs
+    # (7.26 ms against the fused kernel's 7.73; not measured yet); the column form's (15.1) keeps them fused.
+    monkeypatch.setattr(two_phase, "KDA_ROW_ANCHORS", True)
+    assert la._two_phase_segments(None, 16, 4096, 64, None, cpu, True, False) == 1
+    choice, ran = la._last_choice
+    assert ran and choice.two_phase_us < la.TWO_PHASE_MARGIN * choice.fused_us
+    monkeypatch.setattr(two_phase, "KDA_ROW_ANCHORS", False)
     for kda in (False, True):
         n = la._two_phase_segments(None, 1, 8192, 4, None, cpu, kda, False)
         assert n is not None and n > 1, n     # 4 heads: a split state pass

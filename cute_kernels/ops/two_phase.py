@@ -91,6 +91,11 @@ def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step
 # GDN's phase 1 in its `slim` form: two CTAs per SM (one q/k/v stage, 288 threads, ~95 KB of shared memory).
 PREP_SLIM = os.environ.get("CUTE_KERNELS_PREP_SLIM", "1") == "1"
 
+# KDA's phase 1 forms Akk / Aqk in the row-anchored form (`ChunkPrepSm90(row_anchors=True)`: one factor-and-gating
+# pass and four full-height wgmma products instead of four anchored rounds). CUTE_KERNELS_KDA_ROW_ANCHORS=0 turns
+# it off (the column form).
+KDA_ROW_ANCHORS = os.environ.get("CUTE_KERNELS_KDA_ROW_ANCHORS", "1") == "1"
+
 
 def prep_ctas_per_sm(kda: bool) -> int:
     """Phase-1 CTAs that share an SM (the cost model's slots per SM): 2 for GDN's slim kernel, else 1."""
@@ -105,10 +110,12 @@ def prep_chunks_per_tile(problem, kda: bool, slots: int) -> int:
 
 def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool, vec: bool | None = None,
                        prefetch: bool | None = None, slim: bool | None = None, dump_dir=None,
-                       profile: bool = False, pdl: bool | None = None, publish: bool = False):
+                       profile: bool = False, pdl: bool | None = None, publish: bool = False,
+                       row_anchors: bool | None = None):
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
-    to the fused kernel's switches (KDA_VEC, KDA_PREFETCH); GDN's `slim` to PREP_SLIM. `publish`: the overlapped
-    path's build (persistent grid, per-chunk flags; see `OverlapPlan`)."""
+    to the fused kernel's switches (KDA_VEC, KDA_PREFETCH), its `row_anchors` to KDA_ROW_ANCHORS (with `vec`);
+    GDN's `slim` to PREP_SLIM. `publish`: the overlapped path's build (persistent grid, per-chunk flags; see
+    `OverlapPlan`)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
     from . import linear_attention as la
 
@@ -116,7 +123,9 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     prefetch = kda and (la.KDA_PREFETCH if prefetch is None else prefetch)
     slim = not kda and (PREP_SLIM if slim is None else slim)
     pdl = PDL if pdl is None else pdl
-    key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, pdl, publish)
+    row_anchors = vec and (KDA_ROW_ANCHORS if row_anchors is None else row_anchors)
+    key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, pdl, publish,
+           row_anchors)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -128,9 +137,11 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
 
         io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
         kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch, slim=slim,
-                               profile=profile, pdl=pdl, publish=publish)
+                               profile=profile, pdl=pdl, publish=publish, row_anchors=row_anchors)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
-        gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN), align=4)   # noqa: E731
+        # KDA's g: 16-byte aligned (the ops check it; row_anchors prefetches it in 16-byte vectors)
+        gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN),   # noqa: E731
+                                   align=16 if kda else 4)
         args = (
             wide(), wide(), wide(), gate(), fake_tensor(bt, (DYN, DYN, DYN), align=2),   # q, k, v, g, beta
             wide(), wide(), wide(), wide(),                                              # qg, w, u, kg
@@ -208,9 +219,9 @@ _plans: dict = {}
 
 
 def _cached_plan(cls, *key):
-    """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, the STATE_* switches
-    of the state pass, the affine-merge variant setting)."""
-    full = (cls, key, PREP_SLIM, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
+    """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS, the
+    STATE_* switches of the state pass, the affine-merge variant setting)."""
+    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
             STATE_PAIR, PDL, _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
     if plan is None:
@@ -606,12 +617,12 @@ def predicted_overlap_us(problem, kda: bool, slots: int) -> float:
     """Predicted GPU time of the overlapped path (fixed length, one segment): phase 1's one-chunk tiles on the
     SMs the state CTAs leave (one CTA per SM), and the state chain, which can start a chunk only once phase 1
     has published it: max(phase 1 + the last chunk's chain step, first chunk + chain), per-chunk costs as
-    measured with both running (OVERLAP_PREP_CHUNK_US, OVERLAP_CHAIN_CHUNK_US)."""
+    measured with both running (`prep_chunk_us(overlapped=True)`, OVERLAP_CHAIN_CHUNK_US)."""
     from schedulers.heuristics import makespan
 
     H = problem.num_heads
     free = max(1, slots - 2 * problem.num_seqs * H)
-    prep_us, chunk_us = OVERLAP_PREP_CHUNK_US[kda], OVERLAP_CHAIN_CHUNK_US[kda]
+    prep_us, chunk_us = prep_chunk_us(kda, overlapped=True), OVERLAP_CHAIN_CHUNK_US[kda]
     t_prep = makespan([1] * (sum(problem.chunks) * H), free) * prep_us
     t_chain = max(problem.chunks) * chunk_us
     return max(t_prep + chunk_us, prep_us + t_chain) + 2 * LAUNCH_US
@@ -655,6 +666,19 @@ def chunk_gated_delta_rule_two_phase(q, k, v, g, beta, scale=None, initial_state
 # and the state pass's per chunk per CTA (1.6-2.2 us, 1.8 fits the 32 unsplit and segmented timings within ~10%).
 # KDA re-measured with the vectorized solve (2026-12-03, session 10): 481 us for the same tiles -> 15.1.
 PREP_CHUNK_US = {False: 9.4, True: 15.1}
+# KDA's row-anchored phase 1 (the default, KDA_ROW_ANCHORS; session 14, `prep-profile`, same tiles): 388.1 us
+# against 485.6 for the column form in the same run (0.80x) -> 15.1 x 0.80 = 12.1; beside the state pass (the
+# overlapped path) the same ratio is assumed: 16.8 -> 13.4.
+PREP_CHUNK_US_ROWS = 12.1
+OVERLAP_PREP_CHUNK_US_ROWS = 13.4
+
+
+def prep_chunk_us(kda: bool, overlapped: bool = False) -> float:
+    """Phase 1's time per chunk per CTA (one CTA per SM) for the cost models, by the build the switches select."""
+    if kda and KDA_ROW_ANCHORS:
+        return OVERLAP_PREP_CHUNK_US_ROWS if overlapped else PREP_CHUNK_US_ROWS
+    return (OVERLAP_PREP_CHUNK_US if overlapped else PREP_CHUNK_US)[kda]
+
 # GDN's slim phase 1, per chunk per CTA with two CTAs on each SM: 13.96 us measured at B=2 H=16 T=8192 (225 us
 # against 299 us with one CTA per SM, 2026-12-03; 1.33x per SM; the predicted 12.5 / 1.5x was optimistic).
 # With the vectorized solve (session 10): 176.6 us for the same tiles -> 11.0 (the solve went from ~10.5k to ~5.4k
@@ -693,7 +717,7 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
         chunks_per_tile = prep_chunks_per_tile(problem, kda, slots)
     prep = [min(chunks_per_tile, c - i) for c in problem.chunks for _ in range(H) for i in range(0, c, chunks_per_tile)]
     per_sm = prep_ctas_per_sm(kda)
-    t = makespan(prep, slots * per_sm) * (PREP_SLIM_CHUNK_US if per_sm > 1 else PREP_CHUNK_US[kda]) + LAUNCH_US
+    t = makespan(prep, slots * per_sm) * (PREP_SLIM_CHUNK_US if per_sm > 1 else prep_chunk_us(kda)) + LAUNCH_US
     lens = []
     for c, n in zip(problem.chunks, counts):
         b = split_even(c, max(1, min(n, c)))

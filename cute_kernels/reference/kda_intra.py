@@ -19,6 +19,14 @@ Exact path (otherwise), where no positive number is exponentiated:
   block: [x_r exp(G_r - G_e)]_{r in blocks > q} @ [k_i exp(G_e - G_i)]_{i in block q}^T (a 64 x 16 x K product).
 - the 16 x 16 diagonal blocks: exact pairwise sums with exp(G_rd - G_id) <= 1 (i <= r).
 So any g <= 0 is accepted (no lower-bound contract); chunks past the limit only run slower.
+
+Row-anchored fast form (`form="rows"`, the SM90 phase-1 kernel's): under the same limit, every row is anchored at
+the first row a(r) of its OWN 16-row block, so the left factors x_r exp(G_r - G_a(r)) (<= 1) are formed once for
+all 64 rows, and so is R0_i = k_i exp(G_a(i) - G_i) (<= 2^112, fp32). Block (p, q) with p = q + delta needs the
+right factor k_i exp(G_a(p) - G_i) = R0_i c_pq with the channel factor c_pq = exp(G_a(p) - G_a(q)) (<= 1 for
+p > q; 1 for delta = 0): one right matrix per delta (column blocks 0 .. nb - 1 - delta, R0 times c in fp32, then
+rounded) and one full-height product per delta, of which block band delta is kept. Four 64-row products replace
+the column form's four rounds of factors.
 `intra_chunk_blocked` computes the two matrices the kernels' way, with operands rounded to `operand_dtype` as
 the tensor-core products see them and fp32 accumulation.
 """
@@ -40,17 +48,38 @@ def uses_fast_path(g, block=BLOCK) -> bool:
     return max(spans) <= ANCHOR_LIMIT_LOG2
 
 
-def intra_chunk_blocked(q, k, g, beta, scale, operand_dtype=torch.bfloat16, block=BLOCK):
+def intra_chunk_blocked(q, k, g, beta, scale, operand_dtype=torch.bfloat16, block=BLOCK, form="columns"):
     """Akk (strictly lower, beta on rows) and Aqk (lower, scaled) for one chunk and head, the kernels' way.
 
-    q, k [C, K]; g [C, K] per-step log decay (<= 0); beta [C]. Returns fp32 (Akk, Aqk) [C, C].
+    q, k [C, K]; g [C, K] per-step log decay (<= 0); beta [C]. Returns fp32 (Akk, Aqk) [C, C]. `form`: the fast
+    path's factorization, "columns" (column-block anchors) or "rows" (row-block anchors, see the module doc).
     """
+    if form not in ("columns", "rows"):
+        raise ValueError(f"form must be 'columns' or 'rows', got {form!r}")
     C, K = k.shape
     G = torch.cumsum(g.float(), dim=0)
     qf, kf = q.float(), k.float()
     rnd = lambda t: t.to(operand_dtype).float()
     Akk = torch.zeros(C, C)
     Aqk = torch.zeros(C, C)
+    if uses_fast_path(g, block) and form == "rows":
+        nb = (C + block - 1) // block
+        anchor = (torch.arange(C) // block) * block               # a(r): first row of r's block
+        left_k = rnd(kf * torch.exp(G - G[anchor]))               # <= 1
+        left_q = rnd(qf * torch.exp(G - G[anchor]))
+        r0 = kf * torch.exp(G[anchor] - G)                        # <= 2^112, fp32
+        for delta in range(nb):
+            ncols = min((nb - delta) * block, C)
+            c = torch.stack([torch.exp(G[(i // block + delta) * block] - G[(i // block) * block])
+                             for i in range(ncols)])              # c_{q + delta, q} per column row, <= 1
+            right = rnd(r0[:ncols] * c)
+            pk, pq = left_k @ right.T, left_q @ right.T           # [C, ncols]; band delta is kept
+            for cb in range(nb - delta):
+                rows = slice((cb + delta) * block, min((cb + delta + 1) * block, C))
+                cols = slice(cb * block, min((cb + 1) * block, C))
+                Akk[rows, cols] = pk[rows, cols]
+                Aqk[rows, cols] = pq[rows, cols]
+        return torch.tril(Akk, -1) * beta.float()[:, None], torch.tril(Aqk) * scale
     if uses_fast_path(g, block):
         for a in range(0, C, block):
             cols = slice(a, min(a + block, C))

@@ -48,21 +48,35 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     chunk, each of which takes one back after its acquire -- so every flag is 0 again when the call ends).
     This grid never waits on anything, so the state pass spinning on the flags cannot deadlock it.
 
+    `row_anchors` (KDA, with `vec_elementwise`): the fast path's Akk / Aqk in the row-anchored form
+    (`cute_kernels/reference/kda_intra.py`, form "rows"): one 16-byte-vector pass over the chunk forms the left
+    factors of k and q (anchored at each row's own 16-row block), the right factors of the four block bands
+    (R0 = k 2^(G_a - G) in fp32, times the band's channel factors from `kda_gates`), and the gated q, k and kb of
+    step 1 -- then each consumer warpgroup issues four 64 x {64, 48, 32, 16} x 128 wgmma products (k rows:
+    Akk, q rows: Aqk) and keeps band delta of product delta. Two CTA barriers instead of the column form's ten;
+    chunks past the anchor limit take the exact path (`kda_intra`, then `kda_gating_vec`) as before. Its own
+    shared-memory struct (no state tile; L_q, the band factors and the channel factors added).
+
     `profile` (diagnostics only; its eg output is not written): consumer thread 0 sums clock64 cycles per step of
     every chunk -- (0) gates, (1) the q/k/v wait, (2) Akk/Aqk, (3) qg/kg stores (slim), (4) solve, (5) w/u
-    products, (6) global stores + release -- and writes them, its chunk count (7) and the CTA's whole time (8) as
-    floats to eg's first elements, 16 per CTA (`PROFILE_FIELDS`).
+    products, (6) global stores + release -- and writes them, its chunk count (7), the CTA's whole time (8) and,
+    `row_anchors`, the parts of step 2 on fast chunks (9: the factor pass, 10: the band products; step 2 keeps
+    the rest: the exact chunks and the next chunk's g prefetch) as floats to eg's first elements, 16 per CTA
+    (`PROFILE_FIELDS`).
     """
 
     PROFILE_FIELDS = 16
 
     def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
                  prefetch_gates: bool = False, slim: bool = False, profile: bool = False, pdl: bool = False,
-                 publish: bool = False):
+                 publish: bool = False, row_anchors: bool = False):
         super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
                          vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
         if slim and kda:
             raise ValueError("ChunkPrepSm90: slim (two CTAs per SM) is GDN only (KDA's G tile needs 32 KB more)")
+        if row_anchors and not (kda and vec_elementwise):
+            raise ValueError("ChunkPrepSm90: row_anchors is KDA's, with vec_elementwise")
+        self.row_anchors = row_anchors
         self.slim = slim
         if slim:
             self.num_stages = 1
@@ -100,6 +114,8 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor = self.qkv_tma(q, k, v)
         if cutlass.const_expr(self.slim):
             self.set_slim_shared_storage()
+        elif cutlass.const_expr(self.row_anchors):
+            self.set_rows_shared_storage()
         else:
             self.set_shared_storage()
         self.prep_kernel(
@@ -135,6 +151,44 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         self.shared_storage = SlimStorage
         self.smem_bytes = SlimStorage.size_in_bytes()
         assert self.smem_bytes <= 232448 // 2 - 1024, f"slim shared storage {self.smem_bytes} B: two CTAs do not fit"
+
+    @cute.jit
+    def set_rows_shared_storage(self):
+        """`row_anchors` (KDA): the fields KDA's prep reads (no state tile), plus the row-anchored products'
+        operands: L_q, the right factors of bands 1-3 (48, 32, 16 rows; band 0 lives in sVnew, u's staging
+        later), the channel factors and the anchors' 2^G (sC [10, 128], see `kda_gates`)."""
+        io = self.io_dtype
+
+        @cute.struct
+        class RowsStorage:
+            load_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
+            sKb: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]     # k 2^G
+            sNegW: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]   # L_k, then w
+            sXv: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
+            sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
+            sVnew: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]   # band-0 right factor, then u
+            sLq: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
+            sR1: cute.struct.Align[cute.struct.MemRange[io, 48 * 128], 1024]
+            sR2: cute.struct.Align[cute.struct.MemRange[io, 32 * 128], 1024]
+            sR3: cute.struct.Align[cute.struct.MemRange[io, 16 * 128], 1024]
+            sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * AKK_STRIDE], 16]
+            sY: cute.struct.Align[cute.struct.MemRange[Float32, 3 * 16 * 16], 16]
+            sG: cute.struct.MemRange[Float32, C]
+            sEG: cute.struct.MemRange[Float32, C]
+            sEGL: cute.struct.MemRange[Float32, C]
+            sBeta: cute.struct.MemRange[Float32, C]
+            sScan: cute.struct.MemRange[Float32, 4]
+            sFlag: cute.struct.MemRange[Int32, 4]
+            sGk: cute.struct.Align[cute.struct.MemRange[Float32, C * 128], 16]
+            sGL: cute.struct.MemRange[Float32, 128]
+            sC: cute.struct.Align[cute.struct.MemRange[Float32, 10 * 128], 16]
+
+        self.shared_storage = RowsStorage
+        self.smem_bytes = RowsStorage.size_in_bytes()
+        assert self.smem_bytes <= 232448, f"row-anchored shared storage {self.smem_bytes} B exceeds 227 KB"
 
     @cute.kernel
     def prep_kernel(
@@ -223,6 +277,12 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         sKb_mn = sK_mn[None, None, 0]
         sGk = sG
         sGL = sG
+        sC = sLq = sR = None   # row_anchors only
+        if cutlass.const_expr(self.row_anchors):
+            sC = st.sC.get_tensor(cute.make_layout((10, 128), stride=(128, 1)))
+            sLq = self.view(st.sLq, C, 128)[None, None, 0]
+            sR = (self.view(st.sVnew, C, 128)[None, None, 0], self.view(st.sR1, 48, 128)[None, None, 0],
+                  self.view(st.sR2, 32, 128)[None, None, 0], self.view(st.sR3, 16, 128)[None, None, 0])
         if cutlass.const_expr(kda):
             sKb_mn = self.view(st.sKb, C, 128, 1, True)[None, None, 0]
             sGk = st.sGk.get_tensor(cute.make_layout((C, 128), stride=(128, 1)))
@@ -236,7 +296,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         acc = cute.make_rmem_tensor(mma64.get_slice(wtid).partition_shape_C((C, HALF)), Float32)
         tAkk = thr_kk.partition_C(sAkk)
 
-        prof = cute.make_rmem_tensor((8,), cutlass.Int64)   # profile: cycles per step, summed over chunks
+        prof = cute.make_rmem_tensor((10,), cutlass.Int64)   # profile: cycles per step, summed over chunks
         prof.fill(0)
         n_chunks = Int32(0)
         t_begin = cutlass.Int64(0)
@@ -261,7 +321,10 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 L0 = tok_end - tok0
                 if L0 > C:
                     L0 = Int32(C)
-                self.kda_g_prefetch(ctid, tok0, L0, head, mG, sGk)
+                if cutlass.const_expr(self.row_anchors):
+                    self.kda_g_prefetch_vec(ctid, tok0, L0, head, mG, sGk)
+                else:
+                    self.kda_g_prefetch(ctid, tok0, L0, head, mG, sGk)
 
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
                 t0 = tok0 + c * C
@@ -271,7 +334,8 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 self.stamp(prof, -1)
                 # -- 0. gates (as the fused kernel: GDN's loaded one chunk ahead)
                 if cutlass.const_expr(kda):
-                    self.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv)
+                    self.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv, sC=sC,
+                                   g_vec=self.row_anchors)
                     if cutlass.const_expr(self.prefetch_gates):
                         bv = Float32(0.0)
                         if ctid < C:
@@ -292,7 +356,33 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 self.stamp(prof, 1)
 
                 # -- 1. Akk (fp32) and Aqk (16-bit); KDA: then the in-place gating of q and k, kb = k 2^G
-                if cutlass.const_expr(kda):
+                if cutlass.const_expr(self.row_anchors):
+                    if sFlag[0] != 0:   # past the anchor limit: the exact path, then the gating pass
+                        self.kda_intra(j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sW, sGk, sBeta, sFlag,
+                                       st)
+                        self.kda_gating_vec(ctid, L, stage, sQ, sK, self.view(st.sKb, C, 128)[None, None, 0], sGk,
+                                            sGL)
+                    else:
+                        self.kda_row_factors(ctid, L, stage, sQ, sK, self.view(st.sKb, C, 128)[None, None, 0], sW,
+                                             sLq, sR, sC, sGk, sGL)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                        self.stamp(prof, 8)
+                        if j == 0:
+                            self.kda_row_products(wtid, L, scale, sW, sR, tAkk, sAqk, sBeta, True)
+                        else:
+                            self.kda_row_products(wtid, L, scale, sLq, sR, tAkk, sAqk, sBeta, False)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                    if sFlag[0] == 0:
+                        self.stamp(prof, 9)
+                    if cutlass.const_expr(self.prefetch_gates):
+                        if c + 1 < work.chunk_end - work.chunk_start:
+                            L1 = tok_end - t0 - C
+                            if L1 > C:
+                                L1 = Int32(C)
+                            self.kda_g_prefetch_vec(ctid, t0 + C, L1, head, mG, sGk)
+                elif cutlass.const_expr(kda):
                     self.kda_intra(j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sW, sGk, sBeta, sFlag, st)
                     if cutlass.const_expr(self.vec_elementwise):
                         self.kda_gating_vec(ctid, L, stage, sQ, sK, self.view(st.sKb, C, 128)[None, None, 0], sGk,
@@ -384,6 +474,124 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                     flat[n * bid + i] = Float32(prof[i])
                 flat[n * bid + 7] = Float32(n_chunks)
                 flat[n * bid + 8] = Float32(t_end - t_begin)
+                flat[n * bid + 9] = Float32(prof[8])
+                flat[n * bid + 10] = Float32(prof[9])
+
+    @cute.jit
+    def kda_row_factors(self, ctid, L, stage, sQ, sK, sKb, sL, sLq, sR, sC, sGk, sGL):
+        """`row_anchors`, one pass in 16-byte vectors (thread ctid: channels 8 (ctid % 16) + [0, 8) of row
+        ctid // 16 + 16 m of row block m, m = 0..3), a = 16 m the row's anchor, f = 2^(G_r - G_a) <= 1:
+        sL[r] = k f, sLq[r] = q f; right factors R0 = k / f (fp32, <= 2^KDA_ANCHOR_LIMIT) -> band 0 row r, and
+        R0 c_(m + delta, m) -> band delta (delta = 1 .. 3 - m, row r); then step 1's gating in place: q <- q 2^G,
+        k <- k 2^(G_L - G) (0 past the end), kb = k 2^G, with 2^G = 2^G_a f (2^G_a: sC row 6 + m; where it
+        underflows so does 2^G, to below bf16's smallest normal). Three exp2 per element."""
+        io = self.io_dtype
+        tiled = self.vec_copy()
+        thr = tiled.get_slice(ctid)
+        tQ = thr.partition_S(sQ[None, None, stage])
+        tK = thr.partition_S(sK[None, None, stage])
+        tKb = thr.partition_D(sKb)
+        tL = thr.partition_D(sL)
+        tLq = thr.partition_D(sLq)
+        tR = [thr.partition_D(sR[delta]) for delta in range(4)]
+        crd = thr.partition_S(cute.make_identity_tensor((C, 128)))
+        for m in cutlass.range_constexpr(4):
+            r, d0 = crd[0, m, 0]
+            g8 = cute.make_rmem_tensor((8,), Float32)
+            ga8 = cute.make_rmem_tensor((8,), Float32)
+            gl8 = cute.make_rmem_tensor((8,), Float32)
+            self.load_g8(sGk, r, d0, g8)
+            self.load_g8(sGk, 16 * m, d0, ga8)
+            cute.autovec_copy(cute.local_tile(sGL, (8,), (cute.assume(d0, divby=8) // 8,)), gl8)
+            ega8 = cute.make_rmem_tensor((8,), Float32)
+            cute.autovec_copy(cute.local_tile(sC[6 + m, None], (8,), (cute.assume(d0, divby=8) // 8,)), ega8)
+            q8 = cute.make_rmem_tensor_like(tQ[None, m, None])
+            k8 = cute.make_rmem_tensor_like(tK[None, m, None])
+            cute.copy(tiled, tQ[None, m, None], q8)
+            cute.copy(tiled, tK[None, m, None], k8)
+            lk8 = cute.make_rmem_tensor_like(k8)
+            lq8 = cute.make_rmem_tensor_like(k8)
+            r08 = cute.make_rmem_tensor_like(k8)
+            kb8 = cute.make_rmem_tensor_like(k8)
+            r0 = cute.make_rmem_tensor((8,), Float32)
+            for e in cutlass.range_constexpr(8):
+                x = g8[e] - ga8[e]
+                f = cute.math.exp2(x, fastmath=True)
+                kv = Float32(k8[e])
+                qv = Float32(q8[e])
+                lk8[e] = io(kv * f)
+                lq8[e] = io(qv * f)
+                r0[e] = kv * cute.math.exp2(-x, fastmath=True)
+                r08[e] = io(r0[e])
+                eg = ega8[e] * f
+                egl = cutlass.select_(r < L, cute.math.exp2(gl8[e] - g8[e], fastmath=True), Float32(0.0))
+                kb8[e] = io(kv * eg)
+                k8[e] = io(kv * egl)
+                q8[e] = io(qv * eg)
+            cute.copy(tiled, lk8, tL[None, m, None])
+            cute.copy(tiled, lq8, tLq[None, m, None])
+            cute.copy(tiled, r08, tR[0][None, m, None])
+            cute.copy(tiled, kb8, tKb[None, m, None])
+            cute.copy(tiled, k8, tK[None, m, None])
+            cute.copy(tiled, q8, tQ[None, m, None])
+            for delta in cutlass.range_constexpr(1, 4 - m):
+                pair = m if delta == 1 else (3 + m if delta == 2 else 5)   # sC row of (m + delta, m)
+                c8 = cute.make_rmem_tensor((8,), Float32)
+                cute.autovec_copy(cute.local_tile(sC[pair, None], (8,), (cute.assume(d0, divby=8) // 8,)), c8)
+                rd8 = cute.make_rmem_tensor_like(k8)
+                for e in cutlass.range_constexpr(8):
+                    rd8[e] = io(r0[e] * c8[e])
+                cute.copy(tiled, rd8, tR[delta][None, m, None])
+
+    @cute.jit
+    def kda_row_products(self, wtid, L, scale, sA, sR, tAkk, sAqk, sBeta, kk: bool):
+        """`row_anchors`, one consumer warpgroup: product delta = sA (L_k if `kk`, else L_q; 64 x 128) times the
+        band-delta right factors (64 - 16 delta rows), issued together. Element (r, i) of the chunk's matrix comes
+        from product r // 16 - i // 16 (0 above the diagonal blocks): every product's accumulator holds the first
+        64 - 16 delta columns in the same per-thread order, so the bands merge in registers by selects. kk:
+        Akk[r, i] = beta_r A (i < r < L) -> fp32 (tAkk: this thread's part of it), else Aqk[r, i] = scale A
+        (i <= r) -> 16-bit, stmatrix."""
+        thr = [self.make_mma(False, False, 64 - 16 * delta).get_slice(wtid) for delta in range(4)]
+        acc = [cute.make_rmem_tensor(thr[delta].partition_shape_C((C, 64 - 16 * delta)), Float32)
+               for delta in range(4)]
+        for delta in cutlass.range_constexpr(4):
+            self.gemm(wtid, acc[delta], sA, sR[delta], False, False, False, 64 - 16 * delta, wait=False)
+        warpgroup.wait_group(0)
+        cc = thr[0].partition_C(cute.make_identity_tensor((C, C)))
+        a = acc[0]
+        for i in cutlass.range_constexpr(cute.size(a)):
+            r, col = cc[i]
+            band = r // 16 - col // 16
+            x = a[i]
+            for delta in cutlass.range_constexpr(1, 4):
+                if cutlass.const_expr(i < cute.size(acc[delta])):
+                    x = cutlass.select_(band == delta, acc[delta][i], x)
+            if cutlass.const_expr(kk):
+                a[i] = cutlass.select_(col < r and r < L, x * sBeta[r], Float32(0.0))
+            else:
+                a[i] = cutlass.select_(col <= r, x * scale, Float32(0.0))
+        if cutlass.const_expr(kk):
+            for i in cutlass.range_constexpr(cute.size(a)):   # stores after all loads
+                tAkk[i] = a[i]
+        else:
+            self.store_acc(wtid, self.make_mma(False, False), a, sAqk)
+
+    @cute.jit
+    def kda_g_prefetch_vec(self, ctid, t0, L, head, mG, sGk):
+        """`row_anchors`: `kda_g_prefetch` in 16-byte cp.async (thread ctid: channels 4 (ctid % 32) + [0, 4) of
+        rows ctid // 32 + 8 i, i = 0..7: a warp copies one 512-byte row per instruction); rows >= L get 0. One
+        commit group; `kda_gates(g_vec=True)` waits for it and syncs the consumers before reading."""
+        c4 = ctid % 32
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
+        for i in cutlass.range_constexpr(8):
+            r = ctid // 32 + 8 * i
+            if r < L:
+                cute.copy(atom, cute.local_tile(mG[t0 + r, head, None], (4,), (c4,)),
+                          cute.local_tile(sGk[r, None], (4,), (c4,)))
+            else:
+                for e in cutlass.range_constexpr(4):
+                    sGk[r, 4 * c4 + e] = Float32(0.0)
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def stamp(self, prof, step: int):

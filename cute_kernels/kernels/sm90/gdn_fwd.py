@@ -609,9 +609,14 @@ class ChunkGatedDeltaRuleFwdSm90:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def kda_gates(self, ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, beta_pre):
+    def kda_gates(self, ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, beta_pre, sC=None,
+                  g_vec: bool = False):
         """G[r, d] (log2 units), G[L-1, d], beta_r; sFlag[0] = 1 if some 16-row block decays by more than
-        KDA_ANCHOR_LIMIT in some channel (then the exact diagonal path runs).
+        KDA_ANCHOR_LIMIT in some channel (then the exact diagonal path runs). With `sC` ([10, 128] fp32, the
+        row-anchored Akk / Aqk of `ChunkPrepSm90`): rows 0-5 the channel factors 2^(G[16 p, d] - G[16 q, d]) of
+        the block pairs (p, q) = (1, 0), (2, 1), (3, 2), (2, 0), (3, 1), (3, 0), in that order; rows 6-9 the
+        anchors' 2^G[16 m, d], m = 0..3. `g_vec`: the raw g rows were prefetched by `ChunkPrepSm90.kda_g_prefetch_vec`
+        (each thread copied other threads' values): wait, then a consumer barrier before reading them.
 
         All 256 consumer threads: thread ctid scans channel d = ctid % 128 over rows [32 h, 32 h + 32), h = ctid // 128
         (32 independent loads, then the running sum in registers); the second half adds the first half's total.
@@ -630,6 +635,8 @@ class ChunkGatedDeltaRuleFwdSm90:
         gl = cute.make_rmem_tensor((32,), Float32)
         if cutlass.const_expr(self.prefetch_gates):
             cute.arch.cp_async_wait_group(0)   # this thread's raw g rows are in sGk (0 past the end)
+            if cutlass.const_expr(g_vec):
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)   # and every other thread's
             for rr in cutlass.range_constexpr(32):
                 gl[rr] = sGk[32 * h + rr, d] * LOG2E
         else:
@@ -652,6 +659,21 @@ class ChunkGatedDeltaRuleFwdSm90:
             for rr in cutlass.range_constexpr(32):
                 sGk[32 + rr, d] = gl[rr] + off
             sGL[d] = gl[31] + off
+            if cutlass.const_expr(sC is not None):
+                g0 = sGk[0, d]
+                g16 = sGk[16, d]
+                g32 = gl[0] + off
+                g48 = gl[16] + off
+                sC[0, d] = cute.math.exp2(g16 - g0, fastmath=True)
+                sC[1, d] = cute.math.exp2(g32 - g16, fastmath=True)
+                sC[2, d] = cute.math.exp2(g48 - g32, fastmath=True)
+                sC[3, d] = cute.math.exp2(g32 - g0, fastmath=True)
+                sC[4, d] = cute.math.exp2(g48 - g16, fastmath=True)
+                sC[5, d] = cute.math.exp2(g48 - g0, fastmath=True)
+                sC[6, d] = cute.math.exp2(g0, fastmath=True)
+                sC[7, d] = cute.math.exp2(g16, fastmath=True)
+                sC[8, d] = cute.math.exp2(g32, fastmath=True)
+                sC[9, d] = cute.math.exp2(g48, fastmath=True)
         if worst > KDA_ANCHOR_LIMIT:
             sFlag[0] = Int32(1)
 

@@ -214,10 +214,10 @@ def time_prep_profile():
 
 def time_paths():
     """Large B x H: the fused forward against the two-phase path (both forced), GDN and KDA, FLA beside -- the
-    cells where the cost models decide between them (PATH_CELLS=B,H,T;B,H,T overrides)."""
+    cells where the cost models decide between them (PATH_CELLS=B,H,T;B,H,T overrides; PATH_OPS=gdn,kda)."""
     cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
         "PATH_CELLS", "16,64,4096;4,32,4096").split(";")]
-    for op in ("gdn", "kda"):
+    for op in os.environ.get("PATH_OPS", "gdn,kda").split(","):
         _, peer = ops.load_peer(op)
         ours, _ = ops.load_ours(op)
         for B, H, T in cells:

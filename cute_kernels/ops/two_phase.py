@@ -666,11 +666,13 @@ def chunk_gated_delta_rule_two_phase(q, k, v, g, beta, scale=None, initial_state
 # and the state pass's per chunk per CTA (1.6-2.2 us, 1.8 fits the 32 unsplit and segmented timings within ~10%).
 # KDA re-measured with the vectorized solve (2026-12-03, session 10): 481 us for the same tiles -> 15.1.
 PREP_CHUNK_US = {False: 9.4, True: 15.1}
-# KDA's row-anchored phase 1 (the default, KDA_ROW_ANCHORS; session 14, `prep-profile`, same tiles): 388.1 us
-# against 485.6 for the column form in the same run (0.80x) -> 15.1 x 0.80 = 12.1; beside the state pass (the
-# overlapped path) the same ratio is assumed: 16.8 -> 13.4.
-PREP_CHUNK_US_ROWS = 12.1
-OVERLAP_PREP_CHUNK_US_ROWS = 13.4
+# KDA's row-anchored phase 1 (the default, KDA_ROW_ANCHORS; session 14, `prep-profile`, same tiles as above): 375.0
+# us against 485.6 for the column form (0.77x; 388.1 before the next chunk's g prefetch moved under the band
+# products) -> 15.1 x 0.77 = 11.7; beside the state pass (the overlapped path) the same ratio is assumed:
+# 16.8 -> 13.0. Checked at large B x H (`time_two_phase.py paths`, KDA T=4096): B=4 H=16 two-phase 493 us vs
+# fused 954, B=8 H=16 954 vs 952, B=16 H=64 7445 vs 7516 (the model: 7257 vs 7731).
+PREP_CHUNK_US_ROWS = 11.7
+OVERLAP_PREP_CHUNK_US_ROWS = 13.0
 
 
 def prep_chunk_us(kda: bool, overlapped: bool = False) -> float:

@@ -357,31 +357,44 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
 
                 # -- 1. Akk (fp32) and Aqk (16-bit); KDA: then the in-place gating of q and k, kb = k 2^G
                 if cutlass.const_expr(self.row_anchors):
+                    more = c + 1 < work.chunk_end - work.chunk_start   # the next chunk's g to prefetch
+                    L1 = tok_end - t0 - C
+                    if L1 > C:
+                        L1 = Int32(C)
                     if sFlag[0] != 0:   # past the anchor limit: the exact path, then the gating pass
                         self.kda_intra(j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sW, sGk, sBeta, sFlag,
                                        st)
                         self.kda_gating_vec(ctid, L, stage, sQ, sK, self.view(st.sKb, C, 128)[None, None, 0], sGk,
                                             sGL)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                        if cutlass.const_expr(self.prefetch_gates):
+                            if more:
+                                self.kda_g_prefetch_vec(ctid, t0 + C, L1, head, mG, sGk)
+                        self.stamp(prof, 2)
                     else:
                         self.kda_row_factors(ctid, L, stage, sQ, sK, self.view(st.sKb, C, 128)[None, None, 0], sW,
                                              sLq, sR, sC, sGk, sGL)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.barrier(barrier_id=1, number_of_threads=256)
                         self.stamp(prof, 8)
+                        # the band products run while the next chunk's g loads (G is not read after the pass)
+                        thr_b, acc_b = self.kda_row_accumulators(wtid)
                         if j == 0:
-                            self.kda_row_products(wtid, L, scale, sW, sR, tAkk, sAqk, sBeta, True)
+                            self.kda_row_issue(wtid, acc_b, sW, sR)
                         else:
-                            self.kda_row_products(wtid, L, scale, sLq, sR, tAkk, sAqk, sBeta, False)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
-                    if sFlag[0] == 0:
+                            self.kda_row_issue(wtid, acc_b, sLq, sR)
+                        if cutlass.const_expr(self.prefetch_gates):
+                            if more:
+                                self.kda_g_prefetch_vec(ctid, t0 + C, L1, head, mG, sGk)
+                        warpgroup.wait_group(0)
+                        if j == 0:
+                            self.kda_row_finish(wtid, L, scale, thr_b, acc_b, tAkk, sAqk, sBeta, True)
+                        else:
+                            self.kda_row_finish(wtid, L, scale, thr_b, acc_b, tAkk, sAqk, sBeta, False)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.barrier(barrier_id=1, number_of_threads=256)
                         self.stamp(prof, 9)
-                    if cutlass.const_expr(self.prefetch_gates):
-                        if c + 1 < work.chunk_end - work.chunk_start:
-                            L1 = tok_end - t0 - C
-                            if L1 > C:
-                                L1 = Int32(C)
-                            self.kda_g_prefetch_vec(ctid, t0 + C, L1, head, mG, sGk)
                 elif cutlass.const_expr(kda):
                     self.kda_intra(j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sW, sGk, sBeta, sFlag, st)
                     if cutlass.const_expr(self.vec_elementwise):
@@ -495,14 +508,14 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         tLq = thr.partition_D(sLq)
         tR = [thr.partition_D(sR[delta]) for delta in range(4)]
         crd = thr.partition_S(cute.make_identity_tensor((C, 128)))
+        gl8 = cute.make_rmem_tensor((8,), Float32)   # G_L of this thread's channels (the same for its 4 rows)
+        cute.autovec_copy(cute.local_tile(sGL, (8,), (cute.assume(crd[0, 0, 0][1], divby=8) // 8,)), gl8)
         for m in cutlass.range_constexpr(4):
             r, d0 = crd[0, m, 0]
             g8 = cute.make_rmem_tensor((8,), Float32)
             ga8 = cute.make_rmem_tensor((8,), Float32)
-            gl8 = cute.make_rmem_tensor((8,), Float32)
             self.load_g8(sGk, r, d0, g8)
             self.load_g8(sGk, 16 * m, d0, ga8)
-            cute.autovec_copy(cute.local_tile(sGL, (8,), (cute.assume(d0, divby=8) // 8,)), gl8)
             ega8 = cute.make_rmem_tensor((8,), Float32)
             cute.autovec_copy(cute.local_tile(sC[6 + m, None], (8,), (cute.assume(d0, divby=8) // 8,)), ega8)
             q8 = cute.make_rmem_tensor_like(tQ[None, m, None])
@@ -543,20 +556,27 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                     rd8[e] = io(r0[e] * c8[e])
                 cute.copy(tiled, rd8, tR[delta][None, m, None])
 
-    @cute.jit
-    def kda_row_products(self, wtid, L, scale, sA, sR, tAkk, sAqk, sBeta, kk: bool):
-        """`row_anchors`, one consumer warpgroup: product delta = sA (L_k if `kk`, else L_q; 64 x 128) times the
-        band-delta right factors (64 - 16 delta rows), issued together. Element (r, i) of the chunk's matrix comes
-        from product r // 16 - i // 16 (0 above the diagonal blocks): every product's accumulator holds the first
-        64 - 16 delta columns in the same per-thread order, so the bands merge in registers by selects. kk:
-        Akk[r, i] = beta_r A (i < r < L) -> fp32 (tAkk: this thread's part of it), else Aqk[r, i] = scale A
-        (i <= r) -> 16-bit, stmatrix."""
+    def kda_row_accumulators(self, wtid):
+        """`row_anchors`: this thread's slices of the four band products (64 x {64, 48, 32, 16} wgmma tiles) and
+        their fp32 accumulators."""
         thr = [self.make_mma(False, False, 64 - 16 * delta).get_slice(wtid) for delta in range(4)]
         acc = [cute.make_rmem_tensor(thr[delta].partition_shape_C((C, 64 - 16 * delta)), Float32)
                for delta in range(4)]
+        return thr, acc
+
+    @cute.jit
+    def kda_row_issue(self, wtid, acc, sA, sR):
+        """`row_anchors`, one consumer warpgroup, issued (not waited): product delta = sA (L_k or L_q, 64 x 128)
+        times the band-delta right factors (64 - 16 delta rows)."""
         for delta in cutlass.range_constexpr(4):
             self.gemm(wtid, acc[delta], sA, sR[delta], False, False, False, 64 - 16 * delta, wait=False)
-        warpgroup.wait_group(0)
+
+    @cute.jit
+    def kda_row_finish(self, wtid, L, scale, thr, acc, tAkk, sAqk, sBeta, kk: bool):
+        """`row_anchors`, after the wait: element (r, i) of the chunk's matrix comes from product r // 16 - i // 16
+        (0 above the diagonal blocks): every product's accumulator holds the first 64 - 16 delta columns in the
+        same per-thread order, so the bands merge in registers by selects. kk: Akk[r, i] = beta_r A (i < r < L)
+        -> fp32 (tAkk: this thread's part of it), else Aqk[r, i] = scale A (i <= r) -> 16-bit, stmatrix."""
         cc = thr[0].partition_C(cute.make_identity_tensor((C, C)))
         a = acc[0]
         for i in cutlass.range_constexpr(cute.size(a)):

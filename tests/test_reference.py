@@ -638,7 +638,8 @@ def test_kda_intra_chunk_paths(g_fill, fast):
 
 @pytest.mark.parametrize("scale", [0.05, 0.3])
 def test_blocked_solve_spec(scale):
-    """The SM90 kernels' blocked (I + A)^-1 scheme (right-looking level 0, 4-way partial sums) is the inverse."""
+    """The SM90 kernels' blocked (I + A)^-1 scheme (right-looking level 0, doubling levels, 4-way partial sums) is the
+    inverse."""
     from cute_kernels.reference.blocked_solve import blocked_unit_lower_inverse
 
     gen = _gen("blocked-solve", scale)

@@ -28,6 +28,7 @@ NUM_STAGES = 2  # q/k/v ring depth for GDN (KDA: 1)
 # Row stride (floats) of the fp32 Akk / X buffer: 16-byte rows, so the blocked solve reads 4 floats per load
 # (272-byte rows also keep 8 consecutive rows' 16-byte loads on distinct banks).
 AKK_STRIDE = C + 4
+SOLVE_Y = 1024   # floats of the solve's product buffer (its level 32: a 32 x 32 tile)
 LOG2E = math.log2(math.e)
 # KDA: the anchored diagonal-block products use right factors up to 2^KDA_ANCHOR_LIMIT (log2 units, per 16 rows).
 # A chunk whose decay inside a 16-row block exceeds it takes the exact (slower) diagonal path instead.
@@ -187,7 +188,7 @@ class ChunkGatedDeltaRuleFwdSm90:
             sVnewD: cute.struct.Align[cute.struct.MemRange[io, 64 if kda else 2 * C * HALF], 1024]  # GDN: decayed
             sS: cute.struct.Align[cute.struct.MemRange[io, 2 * 128 * HALF], 1024]
             sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * AKK_STRIDE], 16]   # A, then X^T above
-            sY: cute.struct.Align[cute.struct.MemRange[Float32, 3 * 16 * 16], 16]   # blocked-solve products
+            sY: cute.struct.Align[cute.struct.MemRange[Float32, SOLVE_Y], 16]   # blocked-solve products
             sG: cute.struct.MemRange[Float32, C]        # cumulative decay G_r (log2 units)
             sEG: cute.struct.MemRange[Float32, C]       # 2^G_r
             sEGL: cute.struct.MemRange[Float32, C]      # 2^(G_last - G_r), 0 past the chunk end
@@ -291,7 +292,7 @@ class ChunkGatedDeltaRuleFwdSm90:
         sS = self.view(st.sS, 128, HALF, 2)              # (k, v, half)
         sS_mn = self.view(st.sS, 128, HALF, 2, True)     # (v, k, half)
         sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
-        sY = st.sY.get_tensor(cute.make_layout((3, 16, 16), stride=(256, 16, 1)))
+        sY = st.sY.get_tensor(cute.make_layout(SOLVE_Y))
         sG = st.sG.get_tensor(cute.make_layout(C))
         sEG = st.sEG.get_tensor(cute.make_layout(C))
         sEGL = st.sEGL.get_tensor(cute.make_layout(C))
@@ -887,16 +888,19 @@ class ChunkGatedDeltaRuleFwdSm90:
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
     @cute.jit
-    def solve_blocked(self, ctid, sAkk, sY, sXv, sXk, sBeta, sEG):
-        """X = (I + A)^-1 for strictly-lower A [64, 64] (fp32 smem), in 16 x 16 blocks, 256 threads.
+    def solve_blocked(self, ctid, sAkk, sY, sXv, sXk, sBeta, sEG, prof=None):
+        """X = (I + A)^-1 for strictly-lower A [64, 64] (fp32 smem), 256 threads, by recursive doubling.
 
-        Level 0: each diagonal block by right-looking substitution (64 threads, one column each).
-        Level d = 1..3: off-diagonal blocks p = q + d: Y = sum_{k=q}^{p-1} A_pk X_kq, then X_pq = -X_pp Y
-        (64 threads per block, 4 rows of one column per thread, operands read as 16-byte vectors: with one scalar
-        load per operand the solve was bound by shared-memory instructions). X's strictly-lower part is written
-        transposed into the unused upper triangle of the A buffer, so A stays readable throughout. Ends with
+        Level 0: each 16 x 16 diagonal block by right-looking substitution (64 threads, one column each).
+        Levels h = 16, 32 (all 256 threads): the diagonal blocks of size 2 h, X_10 = -X_11 (A_10 X_00) in two
+        phases (Y = A_10 X_00 into sY, then X_10 = -(Y + X_11^strict Y)); operands read as 16-byte vectors (with one
+        scalar load per operand the solve was bound by shared-memory instructions). Five barriers (the level
+        scheme before it, 16 x 16 off-diagonal blocks one level at a time, had seven, and its later levels left
+        128-192 threads idle). X's strictly-lower part is written transposed into the unused upper triangle of
+        the A buffer, so A stays readable throughout. Ends with
         Xv = X diag(beta) and (GDN) Xk = X diag(beta 2^G) in bf16, 16-byte stores. Spec (same steps, CPU-tested):
-        cute_kernels/reference/blocked_solve.py.
+        cute_kernels/reference/blocked_solve.py. `prof` (the prep kernel's profile build): cycles of level 0, level
+        16, level 32 and the 16-bit stores are added to prof[10 .. 13] (prof[7]: the last stamp).
         """
         io = self.io_dtype
         if ctid < C:
@@ -915,53 +919,80 @@ class ChunkGatedDeltaRuleFwdSm90:
                 if r > c:
                     sAkk[base + c, base + r] = x[r]
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        # Levels 1-3: the level's blocks (p, q) = (q + d, q), q < 4 - d, one per 64 threads (two warps); thread
-        # (g, cc) owns rows 4g .. 4g + 3 of column cc. Operands are read 4 floats at a time along the reduction
-        # (A's rows and X^T's rows are contiguous there); every sum keeps the order of 4 partial sums by s % 4.
-        blk = ctid // 64
-        cc = ctid % 16
-        g = (ctid % 64) // 16
+        self.solve_stamp(prof, 10)
+        # Doubling levels h = 16, 32: the diagonal blocks of size 2h are [[X_00, 0], [X_10, X_11]] with
+        # X_10 = -X_11 A_10 X_00, two phases each: Y = A_10 X_00 (-> sY), then X_10 = -(Y + X_11^strict Y), stored
+        # transposed above the diagonal. Every sum keeps 4 partial sums by term index % 4 (shorter dependency
+        # chains); operands along the reduction are read as 16-byte vectors where they are contiguous.
+        sY16 = cute.make_tensor(sY.iterator, cute.make_layout((64, 16), stride=(16, 1)))   # h = 16: rows b0 + r
+        sY32 = cute.make_tensor(sY.iterator, cute.make_layout((32, 32), stride=(32, 1)))
         part = cute.make_rmem_tensor((4, 4), Float32)   # (row j, s % 4)
-        a4 = cute.make_rmem_tensor((4, 4), Float32)     # (row j, s % 4): A[16 p + 4 g + j, s0 .. s0 + 3]
+        a4 = cute.make_rmem_tensor((4, 4), Float32)     # (row j, s0 .. s0 + 3): A rows
         x4 = cute.make_rmem_tensor((4,), Float32)
-        for d in cutlass.range_constexpr(1, 4):
-            if blk < 4 - d:
-                q = blk
-                p = q + d
-                part.fill(0.0)
-                # Y = A_pq X_qq + sum_{q < kb < p} A_p,kb X_kb,q; X_kb,q[s, cc] = X^T at [16 q + cc, 16 kb + s]
-                for m in cutlass.range_constexpr(d):
-                    kb = q + m
-                    for s0 in cutlass.range_constexpr(0, 16, 4):
-                        self.load4(sAkk, 16 * q + cc, 16 * kb + s0, x4)
-                        if cutlass.const_expr(m == 0):
-                            # X_qq: unit diagonal, 0 above it (the buffer holds A there)
-                            for e in cutlass.range_constexpr(4):
-                                x4[e] = cutlass.select_(s0 + e < cc, Float32(0.0), x4[e])
-                                x4[e] = cutlass.select_(s0 + e == cc, Float32(1.0), x4[e])
-                        for j in cutlass.range_constexpr(4):
-                            self.load4(sAkk, 16 * p + 4 * g + j, 16 * kb + s0, a4[j, None])
-                        for j in cutlass.range_constexpr(4):
-                            for e in cutlass.range_constexpr(4):
-                                part[j, e] = part[j, e] + a4[j, e] * x4[e]
-                for j in cutlass.range_constexpr(4):
-                    sY[q, 4 * g + j, cc] = (part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3])
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)
-            if blk < 4 - d:
-                q = blk
-                p = q + d
-                part.fill(0.0)
-                # X_pq = -(Y + X_pp^strict Y); X_pp[4 g + j, s] sits transposed at [16 p + s, 16 p + 4 g + j]
-                for s in cutlass.range_constexpr(16):
-                    self.load4(sAkk, 16 * p + s, 16 * p + 4 * g, x4)
-                    y = sY[q, s, cc]
-                    for j in cutlass.range_constexpr(4):
-                        xv = cutlass.select_(s >= 4 * g + j, Float32(0.0), x4[j])
-                        part[j, s % 4] = part[j, s % 4] + xv * y
-                for j in cutlass.range_constexpr(4):
-                    x4[j] = -sY[q, 4 * g + j, cc] - ((part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3]))
-                cute.autovec_copy(x4, self.tile4(sAkk, 16 * q + cc, 16 * p + 4 * g))
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        # h = 16: the pairs (rows 16..31, cols 0..15) and (rows 48..63, cols 32..47), 128 threads each; thread
+        # (rr, cc) owns rows 2 rr, 2 rr + 1 of column cc.
+        b0 = 32 * (ctid // 128)
+        b1 = b0 + 16
+        rr = (ctid % 128) // 16
+        cc = ctid % 16
+        part.fill(0.0)
+        for s0 in cutlass.range_constexpr(0, 16, 4):
+            self.load4(sAkk, b0 + cc, b0 + s0, x4)   # X_00[s, cc] sits transposed at [b0 + cc, b0 + s]
+            for e in cutlass.range_constexpr(4):
+                x4[e] = cutlass.select_(s0 + e < cc, Float32(0.0), x4[e])
+                x4[e] = cutlass.select_(s0 + e == cc, Float32(1.0), x4[e])
+            for j in cutlass.range_constexpr(2):
+                self.load4(sAkk, b1 + 2 * rr + j, b0 + s0, a4[j, None])
+            for j in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(4):
+                    part[j, e] = part[j, e] + a4[j, e] * x4[e]
+        for j in cutlass.range_constexpr(2):
+            sY16[b0 + 2 * rr + j, cc] = (part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3])
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        part.fill(0.0)
+        for s in cutlass.range_constexpr(16):
+            # X_11[2 rr + j, s] sits transposed at [b1 + s, b1 + 2 rr + j]
+            cute.autovec_copy(cute.local_tile(sAkk[b1 + s, None], (2,), (cute.assume(b1 + 2 * rr, divby=2) // 2,)),
+                              cute.local_tile(x4, (2,), (0,)))
+            y = sY16[b0 + s, cc]
+            for j in cutlass.range_constexpr(2):
+                xv = cutlass.select_(s >= 2 * rr + j, Float32(0.0), x4[j])
+                part[j, s % 4] = part[j, s % 4] + xv * y
+        for j in cutlass.range_constexpr(2):
+            x4[j] = -sY16[b0 + 2 * rr + j, cc] - ((part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3]))
+        cute.autovec_copy(cute.local_tile(x4, (2,), (0,)),
+                          cute.local_tile(sAkk[b0 + cc, None], (2,), (cute.assume(b1 + 2 * rr, divby=2) // 2,)))
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        self.solve_stamp(prof, 11)
+        # h = 32: rows 32..63 x cols 0..31, all 256 threads; thread (g, cc) owns rows 4 g .. 4 g + 3 of column cc.
+        g = ctid // 32
+        cc = ctid % 32
+        part.fill(0.0)
+        for s0 in cutlass.range_constexpr(0, 32, 4):
+            self.load4(sAkk, cc, s0, x4)
+            for e in cutlass.range_constexpr(4):
+                x4[e] = cutlass.select_(s0 + e < cc, Float32(0.0), x4[e])
+                x4[e] = cutlass.select_(s0 + e == cc, Float32(1.0), x4[e])
+            for j in cutlass.range_constexpr(4):
+                self.load4(sAkk, 32 + 4 * g + j, s0, a4[j, None])
+            for j in cutlass.range_constexpr(4):
+                for e in cutlass.range_constexpr(4):
+                    part[j, e] = part[j, e] + a4[j, e] * x4[e]
+        for j in cutlass.range_constexpr(4):
+            sY32[4 * g + j, cc] = (part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3])
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        part.fill(0.0)
+        for s in cutlass.range_constexpr(32):
+            self.load4(sAkk, 32 + s, 32 + 4 * g, x4)   # X_11[4 g + j, s] sits transposed at [32 + s, 32 + 4 g + j]
+            y = sY32[s, cc]
+            for j in cutlass.range_constexpr(4):
+                xv = cutlass.select_(s >= 4 * g + j, Float32(0.0), x4[j])
+                part[j, s % 4] = part[j, s % 4] + xv * y
+        for j in cutlass.range_constexpr(4):
+            x4[j] = -sY32[4 * g + j, cc] - ((part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3]))
+        cute.autovec_copy(x4, self.tile4(sAkk, cc, 32 + 4 * g))
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        self.solve_stamp(prof, 12)
         # Xv = X diag(beta), Xk = X diag(beta 2^G) in 16-bit: thread (r, i-group) writes 8 consecutive columns
         # [i0, i0 + 8) of row r per pass (one 16-byte store each); X[r, i] (i < r) sits transposed at [i, r].
         r = ctid % 64
@@ -984,6 +1015,15 @@ class ChunkGatedDeltaRuleFwdSm90:
                 for e in cutlass.range_constexpr(8):
                     yk[e] = io(xb[e] * fb[e])
                 cute.autovec_copy(yk, cute.local_tile(sXk[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
+        self.solve_stamp(prof, 13)
+
+    @cute.jit
+    def solve_stamp(self, prof, idx: int):
+        """`solve_blocked`'s profile stamps (no-ops without `prof`): cycles since prof[7] -> prof[idx]."""
+        if cutlass.const_expr(prof is not None):
+            now = cute.arch.clock64()
+            prof[idx] = prof[idx] + (now - prof[7])
+            prof[7] = now
 
     @cute.jit
     def tile4(self, sA, row, col):

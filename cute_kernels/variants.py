@@ -135,11 +135,12 @@ def _variants() -> list[Variant]:
         out.append(Variant(
             op, f"{tag}_chunk_prep_sm90_bfloat16",
             lambda d, kda=kda: compile_chunk_prep(torch.bfloat16, torch.bfloat16, kda, slim=False, dump_dir=d,
-                                                  pdl=True, row_anchors=kda),
+                                                  pdl=True, row_anchors=kda, tma_out=kda),
             ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "st.global.v4",
                            "griddepcontrol.launch_dependents")
-            # KDA: the row-anchored Akk / Aqk's band products (64 x 48 and 64 x 32)
-            + (("wgmma.mma_async.sync.aligned.m64n48k16",) if kda else ()),
+            # KDA: the row-anchored Akk / Aqk's band products (64 x 48 and 64 x 32), terms stored by TMA
+            + (("wgmma.mma_async.sync.aligned.m64n48k16", "cp.async.bulk.tensor.3d.global.shared::cta",
+                "cp.async.bulk.wait_group.read") if kda else ()),
             archs=("sm_90a",),
         ))
         if not kda:   # GDN's slim phase 1: two CTAs per SM, 288 threads, no register reallocation
@@ -156,6 +157,14 @@ def _variants() -> list[Variant]:
                 op, f"{tag}_chunk_prep_sm90_bfloat16_columns",
                 lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, True, dump_dir=d, pdl=True,
                                              row_anchors=False),
+                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4"),
+                archs=("sm_90a",),
+            ))
+            # the row-anchored build with its terms stored by threads (CUTE_KERNELS_PREP_TMA_OUT=0)
+            out.append(Variant(
+                op, f"{tag}_chunk_prep_sm90_bfloat16_thread_out",
+                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, True, dump_dir=d, pdl=True,
+                                             tma_out=False),
                 ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4"),
                 archs=("sm_90a",),
             ))

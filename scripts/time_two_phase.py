@@ -206,8 +206,11 @@ def time_prep_profile():
                 cyc = (p[:, :7].sum(0) / nch).tolist()
                 life = (p[:, 8].sum() / nch).item()
                 sub = (p[:, 9:11].sum(0) / nch).tolist()   # row_anchors: step 2's factor pass, band products
+                sol = (p[:, 11:15].sum(0) / nch).tolist()   # the solve's level 0, level 16, level 32, stores
                 print("  profile, cycles per chunk: " + ", ".join(f"{a} {b:.0f}" for a, b in zip(names, cyc))
-                      + f" | sum {sum(cyc) + sum(sub):.0f}, CTA lifetime per chunk {life:.0f}"
+                      + f" | sum {sum(cyc) + sum(sub) + sum(sol):.0f}, CTA lifetime per chunk {life:.0f}"
+                      + f" | solve parts: level 0 {sol[0]:.0f}, level 16 {sol[1]:.0f}, level 32 {sol[2]:.0f}, "
+                        f"16-bit stores {sol[3]:.0f}, fence+barrier {cyc[4]:.0f}"
                       + (f" | Akk/Aqk parts: factor pass {sub[0]:.0f}, band products {sub[1]:.0f}, rest {cyc[2]:.0f}"
                          if ra else ""), flush=True)
 

@@ -96,6 +96,11 @@ PREP_SLIM = os.environ.get("CUTE_KERNELS_PREP_SLIM", "1") == "1"
 # it off (the column form).
 KDA_ROW_ANCHORS = os.environ.get("CUTE_KERNELS_KDA_ROW_ANCHORS", "1") == "1"
 
+# The row-anchored phase 1 stores a full fast-path chunk's terms by TMA (`ChunkPrepSm90(tma_out=True)`: qg, kg as
+# one bulk group, w, u, Aqk as a second; 364.3 vs 379.1 us at KDA B=2 H=16 T=8192, session 15).
+# CUTE_KERNELS_PREP_TMA_OUT=0: thread stores.
+PREP_TMA_OUT = os.environ.get("CUTE_KERNELS_PREP_TMA_OUT", "1") == "1"
+
 
 def prep_ctas_per_sm(kda: bool) -> int:
     """Phase-1 CTAs that share an SM (the cost model's slots per SM): 2 for GDN's slim kernel, else 1."""
@@ -111,9 +116,10 @@ def prep_chunks_per_tile(problem, kda: bool, slots: int) -> int:
 def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool, vec: bool | None = None,
                        prefetch: bool | None = None, slim: bool | None = None, dump_dir=None,
                        profile: bool = False, pdl: bool | None = None, publish: bool = False,
-                       row_anchors: bool | None = None):
+                       row_anchors: bool | None = None, tma_out: bool | None = None):
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
-    to the fused kernel's switches (KDA_VEC, KDA_PREFETCH), its `row_anchors` to KDA_ROW_ANCHORS (with `vec`);
+    to the fused kernel's switches (KDA_VEC, KDA_PREFETCH), its `row_anchors` to KDA_ROW_ANCHORS (with `vec`),
+    `tma_out` to PREP_TMA_OUT (with `row_anchors`, not `publish`);
     GDN's `slim` to PREP_SLIM. `publish`: the overlapped path's build (persistent grid, per-chunk flags; see
     `OverlapPlan`)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
@@ -124,8 +130,9 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     slim = not kda and (PREP_SLIM if slim is None else slim)
     pdl = PDL if pdl is None else pdl
     row_anchors = vec and (KDA_ROW_ANCHORS if row_anchors is None else row_anchors)
+    tma_out = row_anchors and not publish and (PREP_TMA_OUT if tma_out is None else tma_out)
     key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, pdl, publish,
-           row_anchors)
+           row_anchors, tma_out)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -137,7 +144,8 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
 
         io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
         kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch, slim=slim,
-                               profile=profile, pdl=pdl, publish=publish, row_anchors=row_anchors)
+                               profile=profile, pdl=pdl, publish=publish, row_anchors=row_anchors,
+                               tma_out=tma_out)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         # KDA's g: 16-byte aligned (the ops check it; row_anchors prefetches it in 16-byte vectors)
         gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN),   # noqa: E731
@@ -219,9 +227,10 @@ _plans: dict = {}
 
 
 def _cached_plan(cls, *key):
-    """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS, the
+    """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
+    PREP_TMA_OUT, the
     STATE_* switches of the state pass, the affine-merge variant setting)."""
-    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
+    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
             STATE_PAIR, PDL, _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
     if plan is None:
@@ -671,7 +680,8 @@ PREP_CHUNK_US = {False: 9.4, True: 15.1}
 # products) -> 15.1 x 0.77 = 11.7; beside the state pass (the overlapped path) the same ratio is assumed:
 # 16.8 -> 13.0. Checked at large B x H (`time_two_phase.py paths`, KDA T=4096): B=4 H=16 two-phase 493 us vs
 # fused 954, B=8 H=16 954 vs 952, B=16 H=64 7445 vs 7516 (the model: 7257 vs 7731).
-PREP_CHUNK_US_ROWS = 11.7
+# With the terms stored by TMA (PREP_TMA_OUT, session 15): 364.3 us for the same tiles -> 11.3 (11.7 without).
+PREP_CHUNK_US_ROWS = 11.3 if PREP_TMA_OUT else 11.7
 OVERLAP_PREP_CHUNK_US_ROWS = 13.0
 
 

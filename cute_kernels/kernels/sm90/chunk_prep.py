@@ -15,7 +15,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from schedulers.device import TileScheduler
 
-from .gdn_fwd import AKK_STRIDE, HALF, ChunkGatedDeltaRuleFwdSm90, C, flat
+from . import wgmma_tiles as wt
+from .gdn_fwd import AKK_STRIDE, HALF, SOLVE_Y, ChunkGatedDeltaRuleFwdSm90, C, flat, thd
 
 
 class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
@@ -57,19 +58,27 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     chunks past the anchor limit take the exact path (`kda_intra`, then `kda_gating_vec`) as before. Its own
     shared-memory struct (no state tile; L_q, the band factors and the channel factors added).
 
+    `tma_out` (with `row_anchors`, not `publish`): a full chunk on the fast path leaves by six TMA stores
+    (`cp.async.bulk.tensor` shared -> global: qg, kg from the gated q / k tiles -- the factor pass then folds
+    `scale` into q -- then w, u's two halves and Aqk from their staging tiles), issued by consumer thread 0, which
+    waits only until the first two have read the stage before it is released; the staging tiles' stores run on
+    under the next chunk's gates step (waited for before its q/k/v wait). The threads' 16-byte stores stay for
+    partial chunks (a TMA box would write the next sequence's rows) and exact-path chunks.
+
     `profile` (diagnostics only; its eg output is not written): consumer thread 0 sums clock64 cycles per step of
     every chunk -- (0) gates, (1) the q/k/v wait, (2) Akk/Aqk, (3) qg/kg stores (slim), (4) solve, (5) w/u
     products, (6) global stores + release -- and writes them, its chunk count (7), the CTA's whole time (8) and,
     `row_anchors`, the parts of step 2 on fast chunks (9: the factor pass, 10: the band products; step 2 keeps
-    the rest: the exact chunks and the next chunk's g prefetch) as floats to eg's first elements, 16 per CTA
-    (`PROFILE_FIELDS`).
+    the rest: the exact chunks and the next chunk's g prefetch), and the solve's parts (11: level 0, 12: level 16,
+    13: level 32, 14: the 16-bit stores; step 4 keeps the final fence and barrier) as floats to eg's first
+    elements, 16 per CTA (`PROFILE_FIELDS`).
     """
 
     PROFILE_FIELDS = 16
 
     def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
                  prefetch_gates: bool = False, slim: bool = False, profile: bool = False, pdl: bool = False,
-                 publish: bool = False, row_anchors: bool = False):
+                 publish: bool = False, row_anchors: bool = False, tma_out: bool = False):
         super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
                          vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
         if slim and kda:
@@ -77,6 +86,9 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         if row_anchors and not (kda and vec_elementwise):
             raise ValueError("ChunkPrepSm90: row_anchors is KDA's, with vec_elementwise")
         self.row_anchors = row_anchors
+        if tma_out and (not row_anchors or publish):
+            raise ValueError("ChunkPrepSm90: tma_out is the row-anchored (KDA) build's, without publish")
+        self.tma_out = tma_out
         self.slim = slim
         if slim:
             self.num_stages = 1
@@ -112,6 +124,18 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         q, k, v, g, beta = flat(q), flat(k), flat(v), flat(g), flat(beta)
         qg, w, u, kg, aqk, eg = flat(qg), flat(w), flat(u), flat(kg), flat(aqk), flat(eg)
         tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor = self.qkv_tma(q, k, v)
+        # tma_out: store atoms for qg, kg, w ([64 x 128] tiles), u's halves and aqk ([64 x 64]); otherwise the
+        # q atom stands in, unused (no descriptors encoded per call for nothing)
+        outs = (tma_q, tma_q_tensor) * 5
+        if cutlass.const_expr(self.tma_out):
+            s2g = cpasync.CopyBulkTensorTileS2GOp()
+            wide = wt.first_stage(wt.smem_layout(C, 128, self.io_dtype))
+            narrow = wt.first_stage(wt.smem_layout(C, HALF, self.io_dtype))
+            outs = ()
+            for t, layout, cols in ((qg, wide, 128), (kg, wide, 128), (w, wide, 128), (u, narrow, HALF),
+                                    (aqk, narrow, C)):
+                atom, tensor = cpasync.make_tiled_tma_atom(s2g, thd(t), layout, (C, cols))
+                outs = outs + (atom, tensor)
         if cutlass.const_expr(self.slim):
             self.set_slim_shared_storage()
         elif cutlass.const_expr(self.row_anchors):
@@ -120,7 +144,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             self.set_shared_storage()
         self.prep_kernel(
             tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-            g, beta, qg, w, u, kg, aqk, eg, tiles, num_tiles, scale, flags, chunks_per_seq, consumers,
+            g, beta, qg, w, u, kg, aqk, eg, tiles, num_tiles, scale, flags, chunks_per_seq, consumers, *outs,
         ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
                   min_blocks_per_mp=self.ctas_per_sm,
                   # a fixed carveout (all of the SM for shared memory): no device query when compiling
@@ -141,7 +165,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             sXv: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
             sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
             sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * AKK_STRIDE], 16]
-            sY: cute.struct.Align[cute.struct.MemRange[Float32, 3 * 16 * 16], 16]
+            sY: cute.struct.Align[cute.struct.MemRange[Float32, SOLVE_Y], 16]
             sG: cute.struct.MemRange[Float32, C]
             sEG: cute.struct.MemRange[Float32, C]
             sEGL: cute.struct.MemRange[Float32, C]
@@ -175,7 +199,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             sR2: cute.struct.Align[cute.struct.MemRange[io, 32 * 128], 1024]
             sR3: cute.struct.Align[cute.struct.MemRange[io, 16 * 128], 1024]
             sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * AKK_STRIDE], 16]
-            sY: cute.struct.Align[cute.struct.MemRange[Float32, 3 * 16 * 16], 16]
+            sY: cute.struct.Align[cute.struct.MemRange[Float32, SOLVE_Y], 16]
             sG: cute.struct.MemRange[Float32, C]
             sEG: cute.struct.MemRange[Float32, C]
             sEGL: cute.struct.MemRange[Float32, C]
@@ -200,6 +224,9 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         mQg: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor, mA: cute.Tensor, mEg: cute.Tensor,
         mTiles: cute.Tensor, num_tiles: Int32, scale: Float32,
         mFlags: cute.Tensor, chunks_per_seq: Int32, consumers: Int32,
+        tma_qg: cute.CopyAtom, mQgT: cute.Tensor, tma_kg: cute.CopyAtom, mKgT: cute.Tensor,
+        tma_w: cute.CopyAtom, mWT: cute.Tensor, tma_u: cute.CopyAtom, mUT: cute.Tensor,
+        tma_a: cute.CopyAtom, mAT: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(self.pdl):
@@ -222,6 +249,9 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
+            if cutlass.const_expr(self.tma_out):
+                for atom in (tma_qg, tma_kg, tma_w, tma_u, tma_a):
+                    cpasync.prefetch_descriptor(atom)
         ns = self.num_stages
         if cutlass.const_expr(self.slim):
             if warp_idx == 8:
@@ -230,7 +260,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                               self.view(st.sV, C, 128, ns))
             else:
                 self.prep_consumer(sched, load, wg, tidx, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st,
-                                   mFlags, chunks_per_seq, consumers)
+                                   mFlags, chunks_per_seq, consumers, None)
         else:
             if wg == 0:
                 cute.arch.setmaxregister_decrease(40)
@@ -241,11 +271,12 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             else:
                 cute.arch.setmaxregister_increase(232)
                 self.prep_consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale,
-                                   st, mFlags, chunks_per_seq, consumers)
+                                   st, mFlags, chunks_per_seq, consumers,
+                                   ((tma_qg, mQgT), (tma_kg, mKgT), (tma_w, mWT), (tma_u, mUT), (tma_a, mAT)))
 
     @cute.jit
     def prep_consumer(self, sched, load, j, ctid, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st, mFlags,
-                      chunks_per_seq, consumers):
+                      chunks_per_seq, consumers, tma_outs):
         kda = self.kda
         wtid = ctid % 128
         v0 = j * HALF
@@ -267,7 +298,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         sXv = self.view(st.sXv, C, C)[None, None, 0]
         sAqk = self.view(st.sAqk, C, C)[None, None, 0]
         sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
-        sY = st.sY.get_tensor(cute.make_layout((3, 16, 16), stride=(256, 16, 1)))
+        sY = st.sY.get_tensor(cute.make_layout(SOLVE_Y))
         sG = st.sG.get_tensor(cute.make_layout(C))
         sEG = st.sEG.get_tensor(cute.make_layout(C))
         sEGL = st.sEGL.get_tensor(cute.make_layout(C))
@@ -296,7 +327,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         acc = cute.make_rmem_tensor(mma64.get_slice(wtid).partition_shape_C((C, HALF)), Float32)
         tAkk = thr_kk.partition_C(sAkk)
 
-        prof = cute.make_rmem_tensor((10,), cutlass.Int64)   # profile: cycles per step, summed over chunks
+        prof = cute.make_rmem_tensor((14,), cutlass.Int64)   # profile: cycles per step, summed over chunks
         prof.fill(0)
         n_chunks = Int32(0)
         t_begin = cutlass.Int64(0)
@@ -350,6 +381,11 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                             gv = Float32(mG[t0 + C + ctid, head])
                             bv = Float32(mBeta[t0 + C + ctid, head])
                 self.stamp(prof, 0)
+                if cutlass.const_expr(self.tma_out):
+                    if ctid == 0:
+                        # the last chunk's w / u / Aqk stores have read their staging tiles (the barrier below
+                        # publishes that to every consumer thread before the tiles are written again)
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
                 load.consumer_wait(state)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 stage = state.index
@@ -373,8 +409,11 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                                 self.kda_g_prefetch_vec(ctid, t0 + C, L1, head, mG, sGk)
                         self.stamp(prof, 2)
                     else:
+                        q_scale = Float32(1.0)
+                        if cutlass.const_expr(self.tma_out):
+                            q_scale = scale   # qg leaves as the smem q tile (TMA) or by threads, unscaled there
                         self.kda_row_factors(ctid, L, stage, sQ, sK, self.view(st.sKb, C, 128)[None, None, 0], sW,
-                                             sLq, sR, sC, sGk, sGL)
+                                             sLq, sR, sC, sGk, sGL, q_scale)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.barrier(barrier_id=1, number_of_threads=256)
                         self.stamp(prof, 8)
@@ -427,7 +466,10 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 self.stamp(prof, 3)
 
                 # -- 2. X = (I + Akk)^-1 -> Xv = X diag(beta), GDN: Xk = X diag(beta 2^G)
-                self.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG)
+                if cutlass.const_expr(self.profile):
+                    self.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG, prof)
+                else:
+                    self.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 self.stamp(prof, 4)
@@ -442,17 +484,26 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 self.gemm(wtid, acc, sXv, cute.local_tile(sV_mn[None, None, stage], (HALF, C), (j, 0)),
                           False, True, False)
                 self.store_acc(wtid, mma64, acc, sU_j)
+                if cutlass.const_expr(self.tma_out):
+                    cute.arch.fence_proxy("async.shared", space="cta")   # w, u -> the TMA stores' reads
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 self.stamp(prof, 5)
 
                 # -- 4. the terms -> global (rows < L)
-                self.store_rows(wtid, sW_j, mW, t0, head, v0, L)
-                self.store_rows(wtid, sU_j, mU, t0, head, v0, L)
-                if j == 0:
-                    self.store_rows(wtid, sAqk, mA, t0, head, 0, L)
-                if cutlass.const_expr(not self.slim):
-                    self.store_scaled_rows(ctid, L, sQ[None, None, stage], mQg, t0, head, scale, sEG, True)
-                    self.store_scaled_rows(ctid, L, sK[None, None, stage], mKg, t0, head, scale, sEGL, False)
+                if cutlass.const_expr(self.tma_out):
+                    fast = sFlag[0] == 0
+                    if fast and L == C:
+                        if ctid == 0:
+                            self.store_terms_tma(tma_outs, stage, st, t0, head)
+                    else:
+                        q_store_scale = scale
+                        if fast:
+                            q_store_scale = Float32(1.0)   # the factor pass scaled q
+                        self.store_terms(j, ctid, wtid, L, stage, sQ, sK, sW_j, sU_j, sAqk, sEG, sEGL, mQg, mW, mU,
+                                         mKg, mA, t0, head, v0, q_store_scale, scale)
+                else:
+                    self.store_terms(j, ctid, wtid, L, stage, sQ, sK, sW_j, sU_j, sAqk, sEG, sEGL, mQg, mW, mU, mKg,
+                                     mA, t0, head, v0, scale, scale)
                 if cutlass.const_expr(self.profile):
                     n_chunks = n_chunks + 1
                 elif cutlass.const_expr(kda):
@@ -464,6 +515,10 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 if cutlass.const_expr(self.slim):
                     # generic-proxy writes (w, u) to the stage before the next TMA writes it
                     cute.arch.fence_proxy("async.shared", space="cta")
+                if cutlass.const_expr(self.tma_out):
+                    # thread 0 has waited until any TMA stores read their tiles: only then may the stage (q, k)
+                    # and the staging tiles be written again
+                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 load.consumer_release(state)
                 state.advance()
                 # Protects every smem buffer from the next chunk's writers (and orders every consumer thread's
@@ -477,6 +532,9 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                         cute.arch.atomic_add(mFlags.iterator + idx, consumers, sem="release", scope="gpu")
                 self.stamp(prof, 6)
             work = sched.advance(work)
+        if cutlass.const_expr(self.tma_out):
+            if ctid == 0:
+                cute.arch.cp_async_bulk_wait_group(0)   # every TMA store complete before the CTA ends
         if cutlass.const_expr(self.profile):
             t_end = cute.arch.clock64()
             if ctid == 0:
@@ -489,15 +547,57 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 flat[n * bid + 8] = Float32(t_end - t_begin)
                 flat[n * bid + 9] = Float32(prof[8])
                 flat[n * bid + 10] = Float32(prof[9])
+                for i in cutlass.range_constexpr(4):
+                    flat[n * bid + 11 + i] = Float32(prof[10 + i])
 
     @cute.jit
-    def kda_row_factors(self, ctid, L, stage, sQ, sK, sKb, sL, sLq, sR, sC, sGk, sGL):
+    def store_terms(self, j, ctid, wtid, L, stage, sQ, sK, sW_j, sU_j, sAqk, sEG, sEGL, mQg, mW, mU, mKg, mA, t0,
+                    head, v0, q_scale, scale):
+        """Step 4 by the consumer threads (16-byte vectors, rows < L): w and u (this consumer's 64 columns), Aqk
+        (consumer 0), and (not `slim`: there they left after step 1) qg = q_scale x the q tile's rows (GDN also
+        times 2^G) and kg."""
+        self.store_rows(wtid, sW_j, mW, t0, head, v0, L)
+        self.store_rows(wtid, sU_j, mU, t0, head, v0, L)
+        if j == 0:
+            self.store_rows(wtid, sAqk, mA, t0, head, 0, L)
+        if cutlass.const_expr(not self.slim):
+            self.store_scaled_rows(ctid, L, sQ[None, None, stage], mQg, t0, head, q_scale, sEG, True)
+            self.store_scaled_rows(ctid, L, sK[None, None, stage], mKg, t0, head, scale, sEGL, False)
+
+    @cute.jit
+    def store_terms_tma(self, tma_outs, stage, st, t0, head):
+        """`tma_out`, consumer thread 0: the full chunk's qg and kg (the stage's q / k tiles: one bulk group), then
+        w, u (two halves) and Aqk (a second group) by TMA stores; returns once the first group has read shared
+        memory (the stage may then be released). The second group is waited for before the next chunk's q/k/v
+        wait, after its gates step."""
+        (tma_qg, mQgT), (tma_kg, mKgT), (tma_w, mWT), (tma_u, mUT), (tma_a, mAT) = tma_outs
+        ns = self.num_stages
+        stage_jobs = ((tma_qg, mQgT, self.view(st.sQ, C, 128, ns), stage, 128, 0),
+                      (tma_kg, mKgT, self.view(st.sK, C, 128, ns), stage, 128, 0))
+        staging_jobs = ((tma_w, mWT, self.view(st.sNegW, C, 128), 0, 128, 0),
+                        (tma_u, mUT, self.view(st.sVnew, C, HALF, 2), 0, HALF, 0),
+                        (tma_u, mUT, self.view(st.sVnew, C, HALF, 2), 1, HALF, 1),
+                        (tma_a, mAT, self.view(st.sAqk, C, C), 0, C, 0))
+        for jobs in (stage_jobs, staging_jobs):
+            for atom, mT, sT, idx, cols, col_tile in jobs:
+                g_tile = cute.local_tile(cute.domain_offset((t0, 0), mT[None, None, head]), (C, cols),
+                                         (0, col_tile))
+                s_part, g_part = cpasync.tma_partition(
+                    atom, 0, cute.make_layout(1), cute.group_modes(sT, 0, 2), cute.group_modes(g_tile, 0, 2),
+                )
+                cute.copy(atom, s_part[(None, idx)], g_part)
+            cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(1, read=True)
+
+    @cute.jit
+    def kda_row_factors(self, ctid, L, stage, sQ, sK, sKb, sL, sLq, sR, sC, sGk, sGL, q_scale):
         """`row_anchors`, one pass in 16-byte vectors (thread ctid: channels 8 (ctid % 16) + [0, 8) of row
         ctid // 16 + 16 m of row block m, m = 0..3), a = 16 m the row's anchor, f = 2^(G_r - G_a) <= 1:
         sL[r] = k f, sLq[r] = q f; right factors R0 = k / f (fp32, <= 2^KDA_ANCHOR_LIMIT) -> band 0 row r, and
         R0 c_(m + delta, m) -> band delta (delta = 1 .. 3 - m, row r); then step 1's gating in place: q <- q 2^G,
         k <- k 2^(G_L - G) (0 past the end), kb = k 2^G, with 2^G = 2^G_a f (2^G_a: sC row 6 + m; where it
-        underflows so does 2^G, to below bf16's smallest normal). Three exp2 per element."""
+        underflows so does 2^G, to below bf16's smallest normal). Three exp2 per element. `q_scale` (`tma_out`:
+        the attention scale) multiplies the gated q, so its tile is qg."""
         io = self.io_dtype
         tiled = self.vec_copy()
         thr = tiled.get_slice(ctid)
@@ -540,7 +640,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 egl = cutlass.select_(r < L, cute.math.exp2(gl8[e] - g8[e], fastmath=True), Float32(0.0))
                 kb8[e] = io(kv * eg)
                 k8[e] = io(kv * egl)
-                q8[e] = io(qv * eg)
+                q8[e] = io(qv * (eg * q_scale))
             cute.copy(tiled, lk8, tL[None, m, None])
             cute.copy(tiled, lq8, tLq[None, m, None])
             cute.copy(tiled, r08, tR[0][None, m, None])

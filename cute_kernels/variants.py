@@ -143,14 +143,17 @@ def _variants() -> list[Variant]:
                 "cp.async.bulk.wait_group.read") if kda else ()),
             archs=("sm_90a",),
         ))
-        if not kda:   # GDN's slim phase 1: two CTAs per SM, 288 threads, no register reallocation
-            out.append(Variant(
-                op, f"{tag}_chunk_prep_sm90_bfloat16_slim",
-                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=True, dump_dir=d, pdl=True),
-                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4", ".minnctapersm 2",
-                               ".reqntid 288", "griddepcontrol.launch_dependents"),
-                archs=("sm_90a",),
-            ))
+        if not kda:   # GDN's slim phase 1: two CTAs per SM, 288 threads, no register reallocation; raw: without
+            # the gated q / k copies (GDN_RAW_QK, the default), the per-token factors in one 16-byte store per row
+            for raw in (False, True):
+                out.append(Variant(
+                    op, f"{tag}_chunk_prep_sm90_bfloat16_slim" + ("_raw" if raw else ""),
+                    lambda d, raw=raw: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=True, dump_dir=d,
+                                                          pdl=True, raw_qk=raw),
+                    ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4", ".minnctapersm 2",
+                                   ".reqntid 288", "griddepcontrol.launch_dependents"),
+                    archs=("sm_90a",),
+                ))
         else:   # KDA's phase 1 builds with the row-anchored Akk / Aqk by default (m64n48 / n32 band products);
             # the column form stays selectable (CUTE_KERNELS_KDA_ROW_ANCHORS=0)
             out.append(Variant(
@@ -199,6 +202,16 @@ def _variants() -> list[Variant]:
                         pair=False, pdl=rs),
                     ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc")
                     + (("wgmma.mma_async.sync.aligned.m64n128k16", "griddepcontrol.wait") if rs else ()),
+                    archs=("sm_90a",),
+                ))
+            if not kda:   # GDN_RAW_QK's state pass: q, k and the per-token factors (16-byte loads by the producer)
+                out.append(Variant(
+                    op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode) + "_rs_raw",
+                    lambda d, mode=mode, init=init, final=final: compile_state_pass(
+                        torch.bfloat16, False, init, final, mode=mode, dump_dir=d, rs=True, ring_decay=True,
+                        tma_o=False, pair=False, pdl=True, raw_qk=True),
+                    ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
+                                   "ld.global.v4.b32", "griddepcontrol.wait"),
                     archs=("sm_90a",),
                 ))
             out.append(Variant(   # pair: both V blocks of a tile in one CTA, two consumer warpgroups on one ring

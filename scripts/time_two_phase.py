@@ -440,7 +440,28 @@ def time_overlap():
     time_op_settings(os.environ.get("OVERLAP_OPS", "gdn,kda").split(","), cells, settings,
                      lambda: setattr(la, "OVERLAP", "auto"), model)
 
-MODES = {"overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+def time_raw():
+    """GDN_RAW_QK off ("gated": phase 1 writes qg, kg) and on ("raw": the state pass reads q, k): phase 1 alone
+    (slim, graph replay), then the op beside FLA (`time_op_settings`). RAW_CELLS="B,H,T;..." picks the cells."""
+    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
+        "RAW_CELLS", "1,4,4096;1,4,16384;1,16,2048;2,16,8192").split(";")]
+    default = two_phase.GDN_RAW_QK
+    for B, H, T in cells:
+        x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+        line = []
+        for raw in (False, True):
+            two_phase.GDN_RAW_QK = raw
+            t = graph_us(lambda: two_phase.chunk_prep(*args, kda=False))
+            line.append(f"{'raw' if raw else 'gated'} {t:.1f} us")
+        two_phase.GDN_RAW_QK = default
+        print(f"gdn prep B={B} H={H} T={T}: " + " | ".join(line), flush=True)
+    settings = [("gated", lambda: setattr(two_phase, "GDN_RAW_QK", False)),
+                ("raw", lambda: setattr(two_phase, "GDN_RAW_QK", True))]
+    time_op_settings(["gdn"], cells, settings, lambda: setattr(two_phase, "GDN_RAW_QK", default))
+
+
+MODES = {"raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}
 
 

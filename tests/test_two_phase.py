@@ -103,17 +103,27 @@ def chunk_last_rows(T, B):
 
 
 @requires_sm90
-@pytest.mark.parametrize("kda,slim", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("kda,slim,raw", [(False, False, False), (False, True, False), (False, True, True),
+                                          (True, False, False)])
 @pytest.mark.parametrize("B,T,H", [(1, 64, 1), (2, 1000, 3), (1, 4096, 4)])
 @pytest.mark.parametrize("chunks_per_tile", [1, 2])
-def test_prep_kernel_matches_torch_prep(kda, slim, B, T, H, chunks_per_tile, monkeypatch):
+def test_prep_kernel_matches_torch_prep(kda, slim, raw, B, T, H, chunks_per_tile, monkeypatch):
+    """Phase 1's terms against the torch spec (raw: GDN_RAW_QK's per-token factors, through `PrepTerms.gated`),
+    NaN-poisoned outputs, run-to-run bitwise."""
     monkeypatch.setattr(two_phase, "PREP_SLIM", slim)
+    monkeypatch.setattr(two_phase, "GDN_RAW_QK", raw)
     monkeypatch.setattr(two_phase, "_POISON_PREP", True)
     gen = torch.Generator().manual_seed(100 + B * T + H + kda)
     q, k, v, g, beta, _ = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
     want = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=kda)
     got = two_phase.chunk_prep(q, k, v, g, beta, kda=kda, chunks_per_tile=chunks_per_tile)
     again = two_phase.chunk_prep(q, k, v, g, beta, kda=kda, chunks_per_tile=chunks_per_tile)
+    assert got.raw == raw and (got.qg is q) == raw and (got.kg is k) == raw
+    if raw:
+        assert got.eg.shape == (B, T, H, 4) and not got.eg.isnan().any()
+        assert torch.equal(got.eg, again.eg), "eg: run-to-run difference"
+        assert rel_err(got.eg[..., 0], 128 ** -0.5 * want.eg) <= 1e-5   # every row: scale 2^G
+    got, again = got.gated(), again.gated()
     for name in ("qg", "w", "u", "kg", "aqk"):
         x, y = getattr(got, name), getattr(want, name)
         assert not x.isnan().any(), name
@@ -223,6 +233,8 @@ class StatePassEmulator:
         from schedulers import TILE_FIELDS
 
         qg, w, u, kg, aqk, eg, o = (x.flatten(0, 1) for x in (qg, w, u, kg, aqk, eg, o))
+        if not self.kda and eg.dim() == 3:   # GDN_RAW_QK's terms: q, k and (scale 2^G, 2^(G_L - G), 2^G_L, 0)
+            qg, kg, eg = qg.double() * eg[..., 0:1], kg.double() * eg[..., 1:2], eg[..., 2]
         col = {f: i for i, f in enumerate(TILE_FIELDS)}
         n_vb = o.shape[-1] // 64
         per = 2 if self.pair else 1
@@ -259,7 +271,8 @@ def emulated_state_pass(monkeypatch):
 
     calls = []
 
-    def fake_compile(io_dtype, kda, has_initial_state, store_final_state, mode="forward", dump_dir=None):
+    def fake_compile(io_dtype, kda, has_initial_state, store_final_state, mode="forward", dump_dir=None,
+                     raw_qk=False):
         calls.append(mode)
         return StatePassEmulator(kda, has_initial_state, store_final_state, mode)
 
@@ -308,7 +321,8 @@ def test_segmented_state_pass_orchestration(emulated_state_pass, kda, num_segmen
 
 
 class PrepEmulator:
-    """ChunkPrepSm90's contract on the CPU: chunk_prep_torch per sequence, written into the output tensors."""
+    """ChunkPrepSm90's contract on the CPU: chunk_prep_torch per sequence, written into the output tensors (GDN with
+    a [.., 4] eg: GDN_RAW_QK's, qg and kg are the inputs q and k and stay unwritten)."""
 
     def __init__(self, kda, cu):
         self.kda, self.cu = kda, cu
@@ -322,8 +336,16 @@ class PrepEmulator:
                 continue
             sl = lambda x: x[b:b + 1, a:e]   # noqa: E731
             p = two_phase.chunk_prep_torch(sl(q), sl(k), sl(v), sl(g), sl(beta), scale, kda=self.kda)
-            for name, dst in (("qg", qg), ("w", w), ("u", u), ("kg", kg), ("aqk", aqk), ("eg", eg)):
-                dst[b:b + 1, a:e] = getattr(p, name)
+            if not self.kda and eg.dim() == 4:
+                for name, dst in (("w", w), ("u", u), ("aqk", aqk)):
+                    dst[b:b + 1, a:e] = getattr(p, name)
+                eG = p.eg[0]   # exp(G) of every token, [L, H]
+                last = torch.tensor([min(t - t % 64 + 63, e - a - 1) for t in range(e - a)])
+                f = torch.stack([scale * eG, eG[last] / eG, eG[last], torch.zeros_like(eG)], -1)
+                eg[b, a:e] = f
+            else:
+                for name, dst in (("qg", qg), ("w", w), ("u", u), ("kg", kg), ("aqk", aqk), ("eg", eg)):
+                    dst[b:b + 1, a:e] = getattr(p, name)
 
 
 @pytest.mark.parametrize("kda", [False, True])
@@ -575,10 +597,14 @@ def test_prep_workspace_is_kept_per_stream_and_only_for_the_op(monkeypatch):
     monkeypatch.setattr(two_phase, "_workspaces", {})
     monkeypatch.setattr(two_phase, "_workspace_bytes", 0)
     plan = two_phase.PrepPlan.__new__(two_phase.PrepPlan)
-    plan.shape, plan.kda, plan.device = (1, 128, 2), False, torch.device("cpu")
+    plan.shape, plan.kda, plan.device, plan.raw = (1, 128, 2), False, torch.device("cpu"), False
     plan.term_bytes = 1 << 20
     a, b = plan.terms(torch.bfloat16), plan.terms(torch.bfloat16)
     assert a is b and a.w.shape == (1, 128, 2, 128) and a.eg.shape == (1, 128, 2)
+    plan.raw = True   # GDN_RAW_QK: no qg, kg buffers (the call's q, k take their places), eg [.., 4]
+    r = plan.allocate(torch.bfloat16)
+    assert r.raw and r.qg is None and r.kg is None and r.eg.shape == (1, 128, 2, 4)
+    plan.raw = False
     assert plan.allocate(torch.bfloat16) is not a
     stream[0] = 8                       # another stream: its own terms
     c = plan.terms(torch.bfloat16)

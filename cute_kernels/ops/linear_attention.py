@@ -415,7 +415,8 @@ def _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, 
         return
     prep = two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device).run(q, k, v, g32, beta, scale,
                                                                                    reuse=True)
-    plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, initial_state is not None, final is not None, n, device)
+    plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, initial_state is not None, final is not None, n, device,
+                                prep.raw)
     plan.run(prep, initial_state, o, final)
 
 

@@ -12,7 +12,7 @@ and time phase 2 on its own.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,6 +30,10 @@ class PrepTerms:
     chunk's Aqk (zero above the diagonal and past the chunk end); eg (fp32) = exp(G) per token ([B, T, H] GDN,
     [B, T, H, K] KDA). G: the cumulative log decay inside the chunk, T = (I + Akk)^-1 diag(beta): the chunked form
     of `cute_kernels.reference.chunk_gated_delta_rule_ref`.
+
+    `raw` (GDN's phase 1 with GDN_RAW_QK): qg and kg are the caller's q and k themselves (no gated copies are
+    written) and eg is [B, T, H, 4] fp32, every token holding (scale exp(G), exp(G_last - G), exp(G_last), 0) of
+    its chunk; `gated()` gives the plain terms.
     """
 
     qg: torch.Tensor
@@ -39,6 +43,17 @@ class PrepTerms:
     aqk: torch.Tensor
     eg: torch.Tensor
     kda: bool
+    raw: bool = False
+
+    def gated(self) -> PrepTerms:
+        """The plain terms (qg, kg gated and rounded to their dtype, eg = exp(G_last) on every row): `self` unless
+        `raw`."""
+        if not self.raw:
+            return self
+        f = self.eg.float()
+        qg = (self.qg.float() * f[..., 0:1]).to(self.qg.dtype)
+        kg = (self.kg.float() * f[..., 1:2]).to(self.kg.dtype)
+        return replace(self, qg=qg, kg=kg, eg=f[..., 2].contiguous(), raw=False)
 
 
 def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step: int = 32) -> PrepTerms:
@@ -101,6 +116,17 @@ KDA_ROW_ANCHORS = os.environ.get("CUTE_KERNELS_KDA_ROW_ANCHORS", "1") == "1"
 # CUTE_KERNELS_PREP_TMA_OUT=0: thread stores.
 PREP_TMA_OUT = os.environ.get("CUTE_KERNELS_PREP_TMA_OUT", "1") == "1"
 
+# GDN's slim phase 1 does not write qg and kg (32 of the ~120 KB per chunk and head it moves): the state pass reads
+# q and k and applies the per-token factors (`ChunkPrepSm90(raw_qk=True)`, `ChunkStatePassSm90(raw_qk=True)`).
+# CUTE_KERNELS_GDN_RAW_QK=0: the gated copies.
+GDN_RAW_QK = os.environ.get("CUTE_KERNELS_GDN_RAW_QK", "1") == "1"
+
+
+def raw_qk_path(kda: bool) -> bool:
+    """Whether the two-phase path runs GDN_RAW_QK's kernels (GDN, the slim phase 1, the rs state pass with its
+    decays in the ring, not `pair`)."""
+    return (GDN_RAW_QK and not kda and PREP_SLIM and STATE_PASS_RS and STATE_RING_DECAY and not state_pair())
+
 
 def prep_ctas_per_sm(kda: bool) -> int:
     """Phase-1 CTAs that share an SM (the cost model's slots per SM): 2 for GDN's slim kernel, else 1."""
@@ -116,12 +142,12 @@ def prep_chunks_per_tile(problem, kda: bool, slots: int) -> int:
 def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool, vec: bool | None = None,
                        prefetch: bool | None = None, slim: bool | None = None, dump_dir=None,
                        profile: bool = False, pdl: bool | None = None, publish: bool = False,
-                       row_anchors: bool | None = None, tma_out: bool | None = None):
+                       row_anchors: bool | None = None, tma_out: bool | None = None, raw_qk: bool | None = None):
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
     to the fused kernel's switches (KDA_VEC, KDA_PREFETCH), its `row_anchors` to KDA_ROW_ANCHORS (with `vec`),
     `tma_out` to PREP_TMA_OUT (with `row_anchors`, not `publish`);
-    GDN's `slim` to PREP_SLIM. `publish`: the overlapped path's build (persistent grid, per-chunk flags; see
-    `OverlapPlan`)."""
+    GDN's `slim` to PREP_SLIM, `raw_qk` to `raw_qk_path` (with `slim`, not `publish`). `publish`: the overlapped
+    path's build (persistent grid, per-chunk flags; see `OverlapPlan`)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
     from . import linear_attention as la
 
@@ -131,8 +157,9 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     pdl = PDL if pdl is None else pdl
     row_anchors = vec and (KDA_ROW_ANCHORS if row_anchors is None else row_anchors)
     tma_out = row_anchors and not publish and (PREP_TMA_OUT if tma_out is None else tma_out)
+    raw_qk = slim and not publish and (raw_qk_path(kda) if raw_qk is None else raw_qk)
     key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, pdl, publish,
-           row_anchors, tma_out)
+           row_anchors, tma_out, raw_qk)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -145,7 +172,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
         io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
         kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch, slim=slim,
                                profile=profile, pdl=pdl, publish=publish, row_anchors=row_anchors,
-                               tma_out=tma_out)
+                               tma_out=tma_out, raw_qk=raw_qk)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         # KDA's g: 16-byte aligned (the ops check it; row_anchors prefetches it in 16-byte vectors)
         gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN),   # noqa: E731
@@ -153,7 +180,8 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
         args = (
             wide(), wide(), wide(), gate(), fake_tensor(bt, (DYN, DYN, DYN), align=2),   # q, k, v, g, beta
             wide(), wide(), wide(), wide(),                                              # qg, w, u, kg
-            fake_tensor(io, (DYN, DYN, DYN, 64)), gate(),                                # aqk, eg
+            fake_tensor(io, (DYN, DYN, DYN, 64)),                                        # aqk
+            fake_tensor(f32, (DYN, DYN, DYN, 4), align=16) if raw_qk else gate(),        # eg
             fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
             cutlass.Int32(1),
             cutlass.Int32(1),
@@ -230,7 +258,7 @@ def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
     PREP_TMA_OUT, the
     STATE_* switches of the state pass, the affine-merge variant setting)."""
-    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
+    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
             STATE_PAIR, PDL, _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
     if plan is None:
@@ -240,10 +268,15 @@ def _cached_plan(cls, *key):
     return plan
 
 
-def allocate_terms(B, T, H, kda: bool, dtype, device) -> PrepTerms:
-    """Fresh (uninitialized) phase-1 terms of a [B, T, H, 128] call."""
-    wide = torch.empty((4, B, T, H, 128), dtype=dtype, device=device)   # qg, w, u, kg: one allocation
+def allocate_terms(B, T, H, kda: bool, dtype, device, raw: bool = False) -> PrepTerms:
+    """Fresh (uninitialized) phase-1 terms of a [B, T, H, 128] call (`raw`: no qg, kg -- None until the call's q, k
+    take their places)."""
     aqk = torch.empty((B, T, H, C), dtype=dtype, device=device)
+    if raw:
+        w, u = torch.empty((2, B, T, H, 128), dtype=dtype, device=device).unbind(0)
+        eg = torch.empty((B, T, H, 4), dtype=torch.float32, device=device)
+        return PrepTerms(None, w, u, None, aqk, eg, kda, raw=True)
+    wide = torch.empty((4, B, T, H, 128), dtype=dtype, device=device)   # qg, w, u, kg: one allocation
     eg = torch.empty((B, T, H, 128) if kda else (B, T, H), dtype=torch.float32, device=device)
     return PrepTerms(*wide.unbind(0), aqk, eg, kda)
 
@@ -264,14 +297,16 @@ class PrepPlan:
         self.chunks_per_tile = chunks_per_tile
         seg = Segmentation([split_even(c, max(1, -(-c // chunks_per_tile))) for c in problem.chunks])
         schedule = schedule_from_segmentation(problem, seg, "prep")
-        self.fn = compile_chunk_prep(io, beta_dtype, kda).fn if T else None
+        self.raw = raw_qk_path(kda)
+        self.fn = compile_chunk_prep(io, beta_dtype, kda, raw_qk=self.raw).fn if T else None
         self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
         self.flag_args = no_flags(device)
-        self.term_bytes = B * T * H * (4 * 128 * io.itemsize + C * io.itemsize + (128 if kda else 1) * 4)
+        wide, eg_floats = (2, 4) if self.raw else (4, 128 if kda else 1)
+        self.term_bytes = B * T * H * (wide * 128 * io.itemsize + C * io.itemsize + eg_floats * 4)
 
     def allocate(self, dtype) -> PrepTerms:
         """Fresh (uninitialized) terms for one call."""
-        return allocate_terms(*self.shape, self.kda, dtype, self.device)
+        return allocate_terms(*self.shape, self.kda, dtype, self.device, self.raw)
 
     def terms(self, dtype) -> PrepTerms:
         """The call's terms: small ones (host-bound calls: three allocations and the views cost ~13 us of a ~49 us
@@ -295,8 +330,10 @@ class PrepPlan:
         """Phase 1 into fresh terms, or (`reuse`: the op's own calls, whose terms die with the call) into
         `terms`'s workspace."""
         t = self.terms(q.dtype) if reuse else self.allocate(q.dtype)
+        if self.raw:
+            t = replace(t, qg=q, kg=k)   # the state pass reads q and k (the kernel writes neither)
         if _POISON_PREP:   # tests: every element the state pass reads must have been written
-            for x in (t.qg, t.w, t.u, t.kg, t.aqk, t.eg):
+            for x in (t.w, t.u, t.aqk, t.eg) + (() if self.raw else (t.qg, t.kg)):
                 x.fill_(float("nan"))
         if self.fn is not None:
             self.fn(q, k, v, g32, beta, t.qg, t.w, t.u, t.kg, t.aqk, t.eg, *self.launch, scale, *self.flag_args)
@@ -365,8 +402,9 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
                        mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None,
                        profile: bool = False, ring_decay: bool | None = None, tma_o: bool | None = None,
                        u_fast: bool | None = None, pair: bool | None = None, pdl: bool | None = None,
-                       consume: bool = False):
-    """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `rs` defaults to
+                       consume: bool = False, raw_qk: bool = False):
+    """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `raw_qk`: it reads q, k and
+    GDN_RAW_QK's [.., 4] eg (`PrepTerms.raw`); `rs` defaults to
     STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs). `profile`: the diagnostic build whose
     final_state argument receives per-CTA phase cycles (`ChunkStatePassSm90` docstring)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
@@ -376,10 +414,10 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     ring_decay = (STATE_RING_DECAY and rs) if ring_decay is None else ring_decay
     u_fast = (STATE_U_FAST and rs) if u_fast is None else u_fast
     tma_o = (STATE_O_TMA and rs) if tma_o is None else tma_o
-    pair = (state_pair() and rs and ring_decay and not tma_o and not u_fast) if pair is None else pair
+    pair = (state_pair() and rs and ring_decay and not tma_o and not u_fast and not raw_qk) if pair is None else pair
     pdl = PDL if pdl is None else pdl
     key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
-           profile, ring_decay, tma_o, u_fast, pair, pdl, consume)
+           profile, ring_decay, tma_o, u_fast, pair, pdl, consume, raw_qk)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -392,12 +430,13 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
         io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
                                     num_stages=num_stages, profile=profile, ring_decay=ring_decay, tma_o=tma_o,
-                                    u_fast=u_fast, pair=pair, pdl=pdl, consume=consume)
+                                    u_fast=u_fast, pair=pair, pdl=pdl, consume=consume, raw_qk=raw_qk)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg
             fake_tensor(io, (DYN, DYN, DYN, 64)),                # aqk
-            fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN)),   # eg (16-byte aligned: checked)
+            fake_tensor(f32, (DYN, DYN, DYN, 4), align=16) if raw_qk   # eg (16-byte aligned: checked)
+            else fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN)),
             wide(),                                              # o
             fake_tensor(f32, (DYN, DYN, 128, 128)),
             fake_tensor(f32, (DYN, DYN, 128, 128)),
@@ -460,7 +499,7 @@ def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = F
     for name in ("qg", "w", "kg"):
         check_shape(name, getattr(prep, name), (B, T, H, K))
     check_shape("aqk", prep.aqk, (B, T, H, C))
-    check_shape("eg", prep.eg, (B, T, H, K) if prep.kda else (B, T, H))
+    check_shape("eg", prep.eg, (B, T, H, 4) if prep.raw else (B, T, H, K) if prep.kda else (B, T, H))
     device = check_cuda(qg=prep.qg, w=prep.w, u=prep.u, kg=prep.kg, aqk=prep.aqk, eg=prep.eg)
     cu = _cu_tuple(cu_seqlens, B, T)
     N = B if cu is None else len(cu) - 1
@@ -484,7 +523,7 @@ def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = F
     if max(counts, default=1) > 1 and V != 128:
         raise ValueError(f"the segmented state pass needs V = 128 (summaries are [128, 128]), got V={V}")
     plan = state_plan(B, T, H, cu, prep.kda, prep.u.dtype, initial_state is not None, final is not None,
-                      num_segments, device)
+                      num_segments, device, prep.raw)
     return plan.run(prep, initial_state, o, final)
 
 
@@ -493,22 +532,23 @@ class StatePlan:
     compiled kernels (forward, or summary + segment outputs), the tile tables on the device. `run` launches them
     (no checks: the caller has validated its tensors)."""
 
-    def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device):
-        pair = state_pair()
+    def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device, raw):
+        pair = state_pair() and not raw
         schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device, pair)
         self.init, self.device, self.split, self.pair = init, device, summ is not None, pair
         self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0]) + no_flags(device)[:2]
         # an fp32 [1, 1, K, V] stand-in for a state the kernel neither reads nor writes (made here, not per call)
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
         if not self.split:
-            self.fn = compile_state_pass(io, kda, init, final)
+            self.fn = compile_state_pass(io, kda, init, final, raw_qk=raw)
             return
         self.slots = schedule.segmentation.total_segments
         self.merge = _merge.affine_merge_starts_plan(len(schedule.seg_offsets) - 1, H, self.slots,
                                                      schedule.seg_offsets, init, device, pdl=PDL)
-        self.summary_fn = compile_state_pass(io, kda, False, False, mode="summary") if summ.num_tiles else None
+        self.summary_fn = (compile_state_pass(io, kda, False, False, mode="summary", raw_qk=raw) if summ.num_tiles
+                           else None)
         self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0]) + no_flags(device)[:2]
-        self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs")
+        self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs", raw_qk=raw)
 
     def run(self, prep: PrepTerms, initial_state, o, final):
         dummy = final if final is not None else self.dummy
@@ -527,8 +567,10 @@ class StatePlan:
         return o, final
 
 
-def state_plan(B, T, H, cu, kda, io, init, final, num_segments, device) -> StatePlan:
-    return _cached_plan(StatePlan, B, T, H, cu, kda, io, init, final, num_segments, device)
+def state_plan(B, T, H, cu, kda, io, init, final, num_segments, device, raw: bool | None = None) -> StatePlan:
+    """The cached StatePlan; `raw` (None: `raw_qk_path(kda)`, as phase 1's plan) for GDN_RAW_QK's terms."""
+    raw = raw_qk_path(kda) if raw is None else raw
+    return _cached_plan(StatePlan, B, T, H, cu, kda, io, init, final, num_segments, device, raw)
 
 
 class OverlapPlan:
@@ -639,6 +681,7 @@ def predicted_overlap_us(problem, kda: bool, slots: int) -> float:
 
 def state_pass_torch(prep: PrepTerms, initial_state=None):
     """Phase 2's contract in torch (fp32, chunk by chunk), for CPU tests of phase 1 and of the kernel's math."""
+    prep = prep.gated()
     B, T, H, K = prep.w.shape
     V = prep.u.shape[-1]
     S = (initial_state.float().clone() if initial_state is not None
@@ -697,6 +740,16 @@ def prep_chunk_us(kda: bool, overlapped: bool = False) -> float:
 # of the ~21.8k cycles per chunk, `scripts/time_two_phase.py prep-profile`).
 # CUTE_KERNELS_PREP_SLIM_CHUNK_US overrides it, e.g. with the fit `scripts/time_two_phase.py prep` writes.
 PREP_SLIM_CHUNK_US = float(os.environ.get("CUTE_KERNELS_PREP_SLIM_CHUNK_US", "11.0"))
+# Without the qg / kg stores (GDN_RAW_QK, session 17, `scripts/time_two_phase.py raw`): 154.2 us against 179.5 for the
+# same tiles -> 11.0 x 154.2 / 176.6 = 9.6; the state pass then runs ~4% longer per chunk (its two column scalings:
+# B=2 H=16 T=8192 179.8 vs 172.7 us) -> STATE_RAW_CHUNK_US.
+PREP_SLIM_RAW_CHUNK_US = 9.6
+STATE_RAW_CHUNK_US = 1.2
+
+
+def prep_slim_chunk_us() -> float:
+    """GDN's slim phase 1 per chunk per CTA for the cost models, by GDN_RAW_QK's build or the gated one."""
+    return PREP_SLIM_RAW_CHUNK_US if raw_qk_path(False) else PREP_SLIM_CHUNK_US
 # The rs state pass per chunk per CTA with exp(G_last) in the ring (session 9, unsplit B=1 H=4 and B=2 H=16
 # T=8192: GDN 1.06-1.19, KDA 1.13-1.22; before it GDN 1.36-1.47, KDA 1.68-1.74); the smem variant's were 1.8.
 STATE_CHUNK_US = ({False: 1.15, True: 1.2} if STATE_RING_DECAY else {False: 1.45, True: 1.72}) if STATE_PASS_RS \
@@ -729,13 +782,15 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
         chunks_per_tile = prep_chunks_per_tile(problem, kda, slots)
     prep = [min(chunks_per_tile, c - i) for c in problem.chunks for _ in range(H) for i in range(0, c, chunks_per_tile)]
     per_sm = prep_ctas_per_sm(kda)
-    t = makespan(prep, slots * per_sm) * (PREP_SLIM_CHUNK_US if per_sm > 1 else prep_chunk_us(kda)) + LAUNCH_US
+    t = makespan(prep, slots * per_sm) * (prep_slim_chunk_us() if per_sm > 1 else prep_chunk_us(kda)) + LAUNCH_US
     lens = []
     for c, n in zip(problem.chunks, counts):
         b = split_even(c, max(1, min(n, c)))
         lens.append([b[i + 1] - b[i] for i in range(len(b) - 1)])
     per = 1 if state_pair() else 2   # tiles per (segment, head): V / 128 or V / 64 columns each
     chunk_us = (STATE_PAIR_CHUNK_US if per == 1 else STATE_CHUNK_US)[kda]
+    if per == 2 and raw_qk_path(kda):
+        chunk_us = STATE_RAW_CHUNK_US
     outputs = [n for ls in lens for n in ls for _ in range(per * H)]
     t += makespan(outputs, slots) * chunk_us
     if all(len(ls) <= 1 for ls in lens):

@@ -38,6 +38,11 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     staged in the k tile and u in the v tile it replaces (each warpgroup overwrites only the 64 columns its own
     product read).
 
+    `raw_qk` (with `slim`): qg and kg are not written -- the state pass reads q and k themselves (`ChunkStatePassSm90
+    (raw_qk=True)`) and applies the per-token factors -- and eg is [tokens, H, 4] fp32, every row r < L of a chunk
+    holding (scale 2^G_r, 2^(G_last - G_r), 2^G_last, 0) in one 16-byte store. 32 of the ~120 KB a chunk and head
+    moves through global memory (qg and kg) are then never written.
+
     `pdl`: every CTA starts with `griddepcontrol.launch_dependents`, so a state pass launched with PDL starts its
     prologue once this grid's last wave has begun (it waits for the whole grid before reading the terms).
 
@@ -78,7 +83,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
 
     def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
                  prefetch_gates: bool = False, slim: bool = False, profile: bool = False, pdl: bool = False,
-                 publish: bool = False, row_anchors: bool = False, tma_out: bool = False):
+                 publish: bool = False, row_anchors: bool = False, tma_out: bool = False, raw_qk: bool = False):
         super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
                          vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
         if slim and kda:
@@ -89,6 +94,9 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         if tma_out and (not row_anchors or publish):
             raise ValueError("ChunkPrepSm90: tma_out is the row-anchored (KDA) build's, without publish")
         self.tma_out = tma_out
+        if raw_qk and not slim:
+            raise ValueError("ChunkPrepSm90: raw_qk is the slim (GDN) build's")
+        self.raw_qk = raw_qk
         self.slim = slim
         if slim:
             self.num_stages = 1
@@ -111,7 +119,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         u: cute.Tensor,      # [B, T, H, V]
         kg: cute.Tensor,     # [B, T, H, 128]
         aqk: cute.Tensor,    # [B, T, H, 64]
-        eg: cute.Tensor,     # [B, T, H] fp32 (KDA: [B, T, H, 128])
+        eg: cute.Tensor,     # [B, T, H] fp32 (KDA: [B, T, H, 128]; raw_qk: [B, T, H, 4])
         tiles: cute.Tensor,  # [num_tiles, NUM_TILE_FIELDS] int32
         num_tiles: Int32,
         grid_x: Int32,
@@ -459,7 +467,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                     cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
                 self.stamp(prof, 2)
-                if cutlass.const_expr(self.slim):
+                if cutlass.const_expr(self.slim and not self.raw_qk):
                     # qg and kg leave now: step 3 overwrites the k tile with w
                     self.store_scaled_rows(ctid, L, sQ[None, None, stage], mQg, t0, head, scale, sEG, True)
                     self.store_scaled_rows(ctid, L, sK[None, None, stage], mKg, t0, head, scale, sEGL, False)
@@ -509,6 +517,14 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 elif cutlass.const_expr(kda):
                     if ctid < 128:
                         mEg[t0 + L - 1, head, ctid] = cute.math.exp2(sGL[ctid], fastmath=True)
+                elif cutlass.const_expr(self.raw_qk):
+                    if ctid < L:   # row ctid's factors for the state pass, one 16-byte store
+                        f4 = cute.make_rmem_tensor((4,), Float32)
+                        f4[0] = scale * sEG[ctid]
+                        f4[1] = sEGL[ctid]
+                        f4[2] = sEG[L - 1]
+                        f4[3] = Float32(0.0)
+                        cute.autovec_copy(f4, mEg[t0 + ctid, head, None])
                 else:
                     if ctid == 0:
                         mEg[t0 + L - 1, head] = sEG[L - 1]

@@ -75,6 +75,13 @@ class ChunkStatePassSm90:
     the two take turns at the tensor cores (named-barrier ping-pong, tried and removed): two chains per SM give
     ~1.3x the chunks per SM per us at ~1.6x the latency per chain. Off by default (`STATE_PAIR`).
 
+    `raw_qk` (GDN, rs with ring_decay, not pair): the qg and kg arguments are the caller's q and k themselves
+    (phase 1 built with `raw_qk` does not write gated copies) and eg is [tokens, H, 4] fp32, row r of a chunk
+    holding (scale 2^G_r, 2^(G_last - G_r), 2^G_last, 0). The producer warp puts a chunk's 64 + 64 row factors and
+    its decay into the stage's eg slot; the consumer scales o^T's column n (token n) by the first factor after
+    S^T q^T, and the state update uses a second 16-bit copy of v_new^T whose column n is scaled by the second:
+    S^T <- S^T 2^G_last + (v_new^T diag(2^(G_last - G))) k.
+
     `pdl`: launched with programmatic dependent launch: every thread runs `griddepcontrol.wait` after the
     barrier setup, before any global read (phase 1's terms, the merge's start states), then
     `griddepcontrol.launch_dependents` so the next launch can start its own prologue.
@@ -103,7 +110,7 @@ class ChunkStatePassSm90:
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                  mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False,
                  ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False, pair: bool = False,
-                 pdl: bool = False, consume: bool = False):
+                 pdl: bool = False, consume: bool = False, raw_qk: bool = False):
         if mode not in ("forward", "segment_outputs", "summary"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
@@ -132,6 +139,9 @@ class ChunkStatePassSm90:
         if consume and mode != "forward":
             raise ValueError("consume (the overlapped path) is a forward-mode option")
         self.consume = consume
+        if raw_qk and (kda or not (rs and ring_decay) or pair):
+            raise ValueError("raw_qk is GDN's, with rs=True and ring_decay=True, without pair")
+        self.raw_qk = raw_qk
         self.num_consumers = 2 if pair else 1
         self.num_threads = 128 * (1 + self.num_consumers)
         self.u_cols = V_BLOCK * self.num_consumers   # u columns per ring stage (pair: both V blocks)
@@ -149,7 +159,7 @@ class ChunkStatePassSm90:
         u: cute.Tensor,              # [B, T, H, V]
         kg: cute.Tensor,             # [B, T, H, 128]
         aqk: cute.Tensor,            # [B, T, H, 64]
-        eg: cute.Tensor,             # [B, T, H] fp32 (KDA: [B, T, H, 128])
+        eg: cute.Tensor,             # [B, T, H] fp32 (KDA: [B, T, H, 128]; raw_qk: [B, T, H, 4])
         o: cute.Tensor,              # [B, T, H, V]
         initial_state: cute.Tensor,  # [N, H, 128, V] fp32 (forward, if has_initial_state); segment_outputs: [slots, ..]
         final_state: cute.Tensor,    # [N, H, 128, V] fp32 (if store_final_state); summary: [2 * slots, H, 128, 128]
@@ -199,7 +209,7 @@ class ChunkStatePassSm90:
         s_elems = 8 if self.rs else K_DIM * V_BLOCK
         t_elems = 8 if self.rs else C * V_BLOCK
         o_elems = 2 * C * V_BLOCK if self.tma_o else t_elems   # tma_o: two o tiles (chunk parity)
-        eg_elems = K_DIM * stages if self.ring_decay else 8
+        eg_elems = self.eg_slot() * stages if self.ring_decay else 8
 
         @cute.struct
         class SharedStorage:
@@ -277,7 +287,7 @@ class ChunkStatePassSm90:
                          (tma_u, mU, sU, self.u_cols, True))
                 if cutlass.const_expr(self.outputs):
                     loads = loads + ((tma_qg, mQg, sQg, K_DIM, False), (tma_a, mA, sA, C, False))
-                sEg = st.sEg.get_tensor(cute.make_layout((K_DIM, ns), stride=(1, K_DIM)))
+                sEg = st.sEg.get_tensor(cute.make_layout((self.eg_slot(), ns), stride=(1, self.eg_slot())))
                 self.producer(sched, load, loads, mU.shape[1] // self.u_cols, mEg, sEg, tidx % 32, mFlags,
                               chunks_per_seq)
         else:
@@ -317,16 +327,31 @@ class ChunkStatePassSm90:
                     # exp(G_last) into registers first (its latency under the wait for a free stage), into the
                     # stage once it is free, then the arrive that publishes it with the TMA bytes
                     t0, L = chunk_rows(tok0, work.tok_end, c)
-                    per_lane = K_DIM // 32 if self.kda else 1   # GDN: one float, read from slot 0
-                    d = cute.make_rmem_tensor(cute.make_layout(per_lane), Float32)
-                    for j in cutlass.range_constexpr(per_lane):
-                        if cutlass.const_expr(self.kda):
-                            d[j] = mEg[t0 + L - 1, head, lane + 32 * j]
-                        else:
-                            d[j] = mEg[t0 + L - 1, head]
-                    load.sync_object_empty.wait(state.index, state.phase)
-                    for j in cutlass.range_constexpr(per_lane):
-                        sEg[lane + 32 * j, state.index] = d[j]
+                    if cutlass.const_expr(self.raw_qk):
+                        # rows lane and lane + 32: (o factor, kg factor); every lane also reads the decay
+                        f = cute.make_rmem_tensor((4, 2), Float32)   # (factor, row j)
+                        f.fill(0.0)
+                        for j in cutlass.range_constexpr(2):
+                            if lane + 32 * j < L:
+                                cute.autovec_copy(mEg[t0 + lane + 32 * j, head, None], f[None, j])
+                        dl = Float32(mEg[t0 + L - 1, head, 2])
+                        load.sync_object_empty.wait(state.index, state.phase)
+                        for j in cutlass.range_constexpr(2):
+                            sEg[lane + 32 * j, state.index] = f[0, j]
+                            sEg[C + lane + 32 * j, state.index] = f[1, j]
+                        if lane == 0:
+                            sEg[2 * C, state.index] = dl
+                    else:
+                        per_lane = K_DIM // 32 if self.kda else 1   # GDN: one float, read from slot 0
+                        d = cute.make_rmem_tensor(cute.make_layout(per_lane), Float32)
+                        for j in cutlass.range_constexpr(per_lane):
+                            if cutlass.const_expr(self.kda):
+                                d[j] = mEg[t0 + L - 1, head, lane + 32 * j]
+                            else:
+                                d[j] = mEg[t0 + L - 1, head]
+                        load.sync_object_empty.wait(state.index, state.phase)
+                        for j in cutlass.range_constexpr(per_lane):
+                            sEg[lane + 32 * j, state.index] = d[j]
                     cute.arch.sync_warp()
                     load.sync_object_full.arrive(state.index, load.producer_mask)
                 else:
@@ -430,6 +455,11 @@ class ChunkStatePassSm90:
             self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, False)
             work = sched.advance(work)
 
+    def eg_slot(self) -> int:
+        """ring_decay: floats per ring stage of sEg -- KDA 128 decays, GDN 1 (raw_qk: 64 o factors, 64 kg
+        factors, the decay, padding)."""
+        return 2 * C + 4 if self.raw_qk else K_DIM
+
     @cute.jit
     def tile_columns(self, work, n_vb, j):
         """(v0, is_m): the first state column of consumer j's 64-column block and, in summary mode, whether the
@@ -503,7 +533,7 @@ class ChunkStatePassSm90:
         block), n a channel (S^T) or a token (v_new^T, o^T)."""
         io = self.io_dtype
         sDecay, cc_s, cc_t, acc_s, acc_v, acc_o = self.rs_fragments(wtid, st)
-        sEg = st.sEg.get_tensor(cute.make_layout((K_DIM, self.num_stages), stride=(1, K_DIM)))
+        sEg = st.sEg.get_tensor(cute.make_layout((self.eg_slot(), self.num_stages), stride=(1, self.eg_slot())))
         sO = wt.smem_view(st.sO, io, C, V_BLOCK, 2)   # tma_o: (token, v, buffer), the TMA store's source
         o_tiles = Int32(0)   # tma_o: o tiles stored through smem so far (their parity picks the buffer)
         uflat = cute.make_tensor(st.sU.data_ptr(), cute.make_layout(C * V_BLOCK * self.num_stages))   # u_fast
@@ -541,7 +571,9 @@ class ChunkStatePassSm90:
                         dg = Float32(mEg[t0 + L - 1, head])
                 load.consumer_wait(state)
                 stage = state.index
-                if cutlass.const_expr(self.ring_decay and not self.kda):
+                if cutlass.const_expr(self.raw_qk):
+                    dg = sEg[2 * C, stage]
+                elif cutlass.const_expr(self.ring_decay and not self.kda):
                     dg = sEg[0, stage]
                 tb = cutlass.Int64(0)
                 if cutlass.const_expr(self.profile):
@@ -555,11 +587,21 @@ class ChunkStatePassSm90:
                 tc = cutlass.Int64(0)
                 if cutlass.const_expr(self.profile):
                     tc = cute.arch.clock64()
+                if cutlass.const_expr(self.raw_qk and self.outputs):
+                    for i in cutlass.range_constexpr(cute.size(acc_o)):   # o^T's column n: times scale 2^G_n
+                        _, n = cc_t[i]
+                        acc_o[i] = acc_o[i] * sEg[n, stage]
                 if cutlass.const_expr(self.u_fast):
                     self.sub_u_fast(acc_v, cc_t, uflat, stage, wtid, is_m, L)
                 else:
                     self.sub_u(acc_v, cc_t, sU, V_BLOCK * j, stage, is_m, L, True)
                 rV = wt.acc_to_a(io, acc_v)
+                rVk = rV   # the state update's A operand
+                if cutlass.const_expr(self.raw_qk):
+                    for i in cutlass.range_constexpr(cute.size(acc_v)):   # column n: times 2^(G_last - G_n)
+                        _, n = cc_t[i]
+                        acc_v[i] = acc_v[i] * sEg[C + n, stage]
+                    rVk = wt.acc_to_a(io, acc_v)
                 tc2 = cutlass.Int64(0)
                 if cutlass.const_expr(self.profile):
                     tc2 = cute.arch.clock64()
@@ -575,7 +617,7 @@ class ChunkStatePassSm90:
                         acc_s[i] = acc_s[i] * sDecay[kk, buf]
                     else:
                         acc_s[i] = acc_s[i] * dg
-                wt.gemm_rs(io, wtid, acc_s, rV, sKg_mn[None, None, stage], True, True, K_DIM, wait=False)
+                wt.gemm_rs(io, wtid, acc_s, rVk, sKg_mn[None, None, stage], True, True, K_DIM, wait=False)
                 if cutlass.const_expr(self.outputs):
                     # o^T is done one group before the state update: store it while the update runs
                     warpgroup.wait_group(1)

@@ -36,7 +36,7 @@ def results():
             name = f"{'kda' if kda else 'gdn'} B={B} H={H} T={T}"
             for slim in ((True, False) if not kda else (False,)):
                 two_phase.PREP_SLIM = slim
-                t = two_phase.chunk_prep(q, k, v, g, beta, kda=kda)
+                t = two_phase.chunk_prep(q, k, v, g, beta, kda=kda).gated()   # comparable across GDN_RAW_QK
                 for field in ("qg", "w", "u", "kg", "aqk"):
                     out[f"{name} prep slim={slim} {field}"] = getattr(t, field).cpu()
             two_phase.PREP_SLIM = True

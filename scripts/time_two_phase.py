@@ -15,6 +15,7 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py overlap    # the op with the overlapped path off ("auto" plan) / forced, FLA beside
 """
 
+import dataclasses
 import os
 import sys
 
@@ -88,7 +89,7 @@ def time_state():
         kda = op == "kda"
         for B, H, T, n in [(1, 4, 8192, 1), (1, 4, 16384, 9), (2, 16, 8192, 1), (8, 4, 16384, 1)]:
             x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
-            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda)
+            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda).gated()
             chunks = -(-T // 64)
             line = []
             outs = []
@@ -116,7 +117,7 @@ def time_chain():
         kda = op == "kda"
         for B, H, T in [(1, 4, 8192), (2, 16, 8192), (1, 3, 1000)]:
             x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
-            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda)
+            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda).gated()
             schedule, _ = two_phase._state_pass_schedules(B, T, H, 128, 1, False, None, prep.u.device)
             launch = (schedule.table_on(prep.u.device), schedule.num_tiles, schedule.grid[0])
             dummy = torch.empty((1, 1, 128, 128), dtype=torch.float32, device="cuda")
@@ -189,6 +190,8 @@ def time_prep_profile():
                 launch = (sch.table_on(x["q"].device), sch.num_tiles, sch.grid[0])
                 t = two_phase.PrepPlan(B, T, H, None, kda, torch.bfloat16, x["beta"].dtype, x["q"].device,
                                        cpt).allocate(torch.bfloat16)
+                if t.raw:   # GDN_RAW_QK: the kernel takes q, k in the qg, kg places (and writes neither)
+                    t = dataclasses.replace(t, qg=x["q"], kg=x["k"])
                 terms = (t.qg, t.w, t.u, t.kg, t.aqk, t.eg)
                 fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, kda, row_anchors=ra).fn
                 flags = two_phase.no_flags(x["q"].device)
@@ -252,7 +255,7 @@ def time_pair():
         kda = op == "kda"
         for B, H, T, ns in cells:
             x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
-            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda)
+            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda).gated()
             chunks = -(-T // 64)
             for n in ns:
                 line, outs = [], []
@@ -286,7 +289,7 @@ def pair_profile():
     two (`pair`): GDN, unsplit forward."""
     for B, H, T in [(1, 4, 8192), (2, 16, 8192)]:
         x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
-        prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=False)
+        prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=False).gated()
         terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
         for name, pair in (("one block", False), ("pair", True)):
             schedule, _ = two_phase._state_pass_schedules(B, T, H, 128, 1, False, None, prep.u.device, pair)

@@ -647,3 +647,45 @@ def test_blocked_solve_spec(scale):
     X = blocked_unit_lower_inverse(A)
     want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + A)
     assert (X - want).abs().max() <= 1e-12 * max(1.0, want.abs().max().item())
+
+
+def _chunk_akk(gen, correlated: bool):
+    """A GDN chunk's strictly lower Akk [64, 64] and its w right factor diag(beta 2^G) k (float64): random unit keys,
+    or one key repeated 64 times (`correlated`: the worst conditioning of I + Akk)."""
+    L = 64
+    if correlated:
+        k = F.normalize(torch.randn(1, 128, generator=gen, dtype=torch.float64), dim=-1).expand(L, 128)
+    else:
+        k = F.normalize(torch.randn(L, 128, generator=gen, dtype=torch.float64), dim=-1)
+    beta = torch.sigmoid(torch.randn(L, generator=gen, dtype=torch.float64) + 2)
+    G = F.logsigmoid(torch.randn(L, generator=gen, dtype=torch.float64) + 4).cumsum(0)
+    decay = (G[:, None] - G[None, :]).masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), -math.inf).exp()
+    return beta[:, None] * ((k @ k.T) * decay).tril(-1), beta[:, None] * G.exp()[:, None] * k
+
+
+def test_product_solve_operand_precision():
+    """The tensor-core form of the solve's doubling levels (`product_unit_lower_inverse`): fp32 operands match the
+    inverse; tf32 operands rounded to nearest keep w = X diag(beta 2^G) k within 2.5e-3 of float64 on the worst
+    chunks (one repeated key) and 5e-4 on random keys; truncated tf32 and bf16 operands are measurably worse (why
+    a kernel would convert with cvt.rna.tf32.f32 and not use bf16)."""
+    from cute_kernels.reference.blocked_solve import product_unit_lower_inverse, round_operand
+
+    x = torch.tensor([1.0 + 2.0 ** -11, -(1.0 + 2.0 ** -11), 1.0 + 2.0 ** -12])
+    assert round_operand(x, "tf32").tolist() == [1.0 + 2.0 ** -10, -(1.0 + 2.0 ** -10), 1.0]   # ties away
+    assert round_operand(x, "tf32-trunc").tolist() == [1.0, -1.0, 1.0]
+    gen = _gen("product-solve", 0)
+    worst = {}
+    for correlated in (False, True):
+        errs = {op: [] for op in ("fp32", "tf32", "tf32-trunc", "bf16")}
+        for _ in range(20):
+            A, kb = _chunk_akk(gen, correlated)
+            w_want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + A) @ kb
+            for op in errs:
+                w = product_unit_lower_inverse(A, op).double() @ kb
+                errs[op].append(((w - w_want).norm() / w_want.norm()).item())
+        worst[correlated] = {op: max(e) for op, e in errs.items()}
+        mean = {op: sum(e) / len(e) for op, e in errs.items()}
+        assert worst[correlated]["fp32"] <= 1e-6
+        assert worst[correlated]["tf32"] <= (2.5e-3 if correlated else 5e-4), worst
+        assert mean["tf32-trunc"] > 1.5 * mean["tf32"] and mean["bf16"] > 4 * mean["tf32"], mean
+    assert worst[True]["bf16"] > 5e-3, worst   # too coarse where the chunk's keys repeat

@@ -11,6 +11,13 @@ into the (unused) upper part, so A stays readable while X is built. X has a unit
   Y = A_10 X_00, then X_10 = -(Y + X_11^strict Y), each sum split into 4 partial sums by term index mod 4
   (shorter dependency chains), added as (p0 + p1) + (p2 + p3).
 `blocked_unit_lower_inverse` follows those steps on a torch buffer (vectorized over the threads of a step).
+
+`product_unit_lower_inverse` is the candidate tensor-core form of the doubling levels (not built yet; NOTES.md,
+plan item 1): the same level 0, then each X_10 = -X_11 (A_10 X_00) as two matrix products whose operands are
+rounded to the tensor cores' input type (`operand`) and accumulated in fp32. Measured on the CPU
+(tests/test_reference.py, 20 chunks each): tf32 operands rounded to nearest (cvt.rna.tf32.f32 before the wgmma)
+keep w within 1.1e-3 of float64 even with one key repeated through the chunk (the worst conditioning; 8e-5 with
+random keys), truncated tf32 (the raw fp32 bits fed to the wgmma) 3.5e-3, bf16 operands 9.5e-3: too coarse.
 """
 
 from __future__ import annotations
@@ -59,3 +66,42 @@ def _x_block(buf, b0, h):
     """The diagonal block of X at [b0, b0 + h) (unit diagonal, strictly lower part stored transposed)."""
     sub = buf[b0:b0 + h, b0:b0 + h].T
     return torch.eye(h, dtype=buf.dtype) + torch.tril(sub, -1)
+
+
+def round_operand(x: torch.Tensor, operand: str) -> torch.Tensor:
+    """x (fp32) as a tensor-core input of type `operand`, back in fp32: "fp32" (unchanged), "tf32" (10 mantissa
+    bits, round to nearest, ties away: cvt.rna.tf32.f32), "tf32-trunc" (the low 13 bits dropped), "bf16"."""
+    x = x.float()
+    if operand == "fp32":
+        return x
+    if operand == "bf16":
+        return x.bfloat16().float()
+    bits = x.contiguous().view(torch.int32)
+    if operand == "tf32":
+        bits = bits + 0x1000   # half an ulp of the 10-bit mantissa: ties round away from zero
+    elif operand != "tf32-trunc":
+        raise ValueError(f"operand must be fp32, tf32, tf32-trunc or bf16, got {operand!r}")
+    return (bits & ~0x1FFF).view(torch.float32)
+
+
+def product_unit_lower_inverse(A: torch.Tensor, operand: str = "tf32", block: int = BLOCK) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower A [C, C] (fp32 result): level 0 as `blocked_unit_lower_inverse`, then each
+    doubling level's X_10 = -X_11 (A_10 X_00) as two products on `round_operand(., operand)` inputs with fp32
+    accumulation (the tensor-core form)."""
+    C = A.shape[0]
+    X = blocked_unit_lower_inverse(A.float(), block)   # its diagonal blocks of size `block` are level 0's
+    A = torch.tril(A.float(), -1)
+    keep = torch.zeros(C, C, dtype=torch.bool)
+    for b in range(0, C, block):
+        keep[b:b + block, b:b + block] = True
+    X = torch.where(keep, X, torch.zeros_like(X))
+    h = block
+    while h < C:
+        for b0 in range(0, C, 2 * h):
+            b1 = b0 + h
+            x00, x11 = X[b0:b0 + h, b0:b0 + h], X[b1:b1 + h, b1:b1 + h]
+            Y = round_operand(A[b1:b1 + h, b0:b0 + h], operand) @ round_operand(x00, operand)
+            X[b1:b1 + h, b0:b0 + h] = -(round_operand(x11, operand) @ round_operand(Y, operand))
+        h *= 2
+    return X
+

@@ -155,22 +155,16 @@ def _variants() -> list[Variant]:
                     archs=("sm_90a",),
                 ))
         else:   # KDA's phase 1 builds with the row-anchored Akk / Aqk by default (m64n48 / n32 band products);
-            # the column form stays selectable (CUTE_KERNELS_KDA_ROW_ANCHORS=0)
-            out.append(Variant(
-                op, f"{tag}_chunk_prep_sm90_bfloat16_columns",
-                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, True, dump_dir=d, pdl=True,
-                                             row_anchors=False),
-                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4"),
-                archs=("sm_90a",),
-            ))
-            # the row-anchored build with its terms stored by threads (CUTE_KERNELS_PREP_TMA_OUT=0)
-            out.append(Variant(
-                op, f"{tag}_chunk_prep_sm90_bfloat16_thread_out",
-                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, True, dump_dir=d, pdl=True,
-                                             tma_out=False),
-                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4"),
-                archs=("sm_90a",),
-            ))
+            # still selectable: the column form (CUTE_KERNELS_KDA_ROW_ANCHORS=0) and the row-anchored build with
+            # its terms stored by threads (CUTE_KERNELS_PREP_TMA_OUT=0)
+            for suffix, switch in (("columns", {"row_anchors": False}), ("thread_out", {"tma_out": False})):
+                out.append(Variant(
+                    op, f"{tag}_chunk_prep_sm90_bfloat16_{suffix}",
+                    lambda d, switch=switch: compile_chunk_prep(torch.bfloat16, torch.bfloat16, True, dump_dir=d,
+                                                                pdl=True, **switch),
+                    ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4"),
+                    archs=("sm_90a",),
+                ))
         # The overlapped path: phase 1 publishing per-chunk flags (GDN's build) and the state pass waiting on them
         # (KDA's build); the flag code is the same for both ops, so one build of each side checks it.
         if not kda:

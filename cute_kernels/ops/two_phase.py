@@ -330,8 +330,9 @@ class PrepPlan:
         """Phase 1 into fresh terms, or (`reuse`: the op's own calls, whose terms die with the call) into
         `terms`'s workspace."""
         t = self.terms(q.dtype) if reuse else self.allocate(q.dtype)
-        if self.raw:
-            t = replace(t, qg=q, kg=k)   # the state pass reads q and k (the kernel writes neither)
+        if self.raw:   # the state pass reads q and k (the kernel writes neither); a plain constructor call, not
+            # dataclasses.replace: this runs on every call of the op
+            t = PrepTerms(q, t.w, t.u, k, t.aqk, t.eg, t.kda, True)
         if _POISON_PREP:   # tests: every element the state pass reads must have been written
             for x in (t.w, t.u, t.aqk, t.eg) + (() if self.raw else (t.qg, t.kg)):
                 x.fill_(float("nan"))

@@ -456,8 +456,8 @@ class ChunkStatePassSm90:
             work = sched.advance(work)
 
     def eg_slot(self) -> int:
-        """ring_decay: floats per ring stage of sEg -- KDA 128 decays, GDN 1 (raw_qk: 64 o factors, 64 kg
-        factors, the decay, padding)."""
+        """ring_decay: floats per ring stage of sEg -- 128 (KDA: the 128 decays; GDN: its one decay in slot 0), or
+        with raw_qk 132 (64 o factors, 64 kg factors, the decay, padding)."""
         return 2 * C + 4 if self.raw_qk else K_DIM
 
     @cute.jit

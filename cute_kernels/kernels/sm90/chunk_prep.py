@@ -474,10 +474,8 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 self.stamp(prof, 3)
 
                 # -- 2. X = (I + Akk)^-1 -> Xv = X diag(beta), GDN: Xk = X diag(beta 2^G)
-                if cutlass.const_expr(self.profile):
-                    self.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG, prof)
-                else:
-                    self.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG)
+                # the profile build stamps the solve's levels (`solve_stamp` is a no-op without `prof`)
+                self.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG, prof if self.profile else None)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 self.stamp(prof, 4)

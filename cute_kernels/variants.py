@@ -145,13 +145,15 @@ def _variants() -> list[Variant]:
         ))
         if not kda:   # GDN's slim phase 1: two CTAs per SM, 288 threads, no register reallocation; raw: without
             # the gated q / k copies (GDN_RAW_QK, the default), the per-token factors in one 16-byte store per row
-            for raw in (False, True):
+            # (trio: that build with three CTAs per SM, PREP_TRIO)
+            for raw, trio in ((False, False), (True, False), (True, True)):
                 out.append(Variant(
-                    op, f"{tag}_chunk_prep_sm90_bfloat16_slim" + ("_raw" if raw else ""),
-                    lambda d, raw=raw: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=True, dump_dir=d,
-                                                          pdl=True, raw_qk=raw),
-                    ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4", ".minnctapersm 2",
-                                   ".reqntid 288", "griddepcontrol.launch_dependents"),
+                    op, f"{tag}_chunk_prep_sm90_bfloat16_slim" + ("_raw" if raw else "") + ("_trio" if trio else ""),
+                    lambda d, raw=raw, trio=trio: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=True,
+                                                                     dump_dir=d, pdl=True, raw_qk=raw, trio=trio),
+                    ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4",
+                                   f".minnctapersm {3 if trio else 2}", ".reqntid 288",
+                                   "griddepcontrol.launch_dependents"),
                     archs=("sm_90a",),
                 ))
         else:   # KDA's phase 1 builds with the row-anchored Akk / Aqk by default (m64n48 / n32 band products);

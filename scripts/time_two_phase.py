@@ -12,6 +12,7 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py pdl        # the op with programmatic dependent launch off / on
     python3 scripts/time_two_phase.py merge      # the op with the affine merge `prefetch` vs `regs`, FLA beside
     python3 scripts/time_two_phase.py phases     # the op's GPU time per kernel (profiler) at forced segment counts
+    python3 scripts/time_two_phase.py trio       # GDN phase 1 with two CTAs per SM against three, then the op
     python3 scripts/time_two_phase.py overlap    # the op with the overlapped path off ("auto" plan) / forced, FLA beside
 """
 
@@ -176,7 +177,6 @@ def time_prep_profile():
     names = ["gates", "qkv wait", "Akk/Aqk", "qg/kg stores", "solve", "w/u products", "stores+release"]
     for op in os.environ.get("PREP_PROFILE_OPS", "gdn,kda").split(","):
         kda = op == "kda"
-        slots = 132 * two_phase.prep_ctas_per_sm(kda)
         for B, H, T in [(1, 4, 16384), (2, 16, 8192)]:
             x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
             args = (x["q"], x["k"], x["v"], x["g"].float(), x["beta"])
@@ -188,18 +188,20 @@ def time_prep_profile():
                 seg = Segmentation([split_even(c, max(1, -(-c // cpt))) for c in problem.chunks])
                 sch = schedule_from_segmentation(problem, seg, "prep")
                 launch = (sch.table_on(x["q"].device), sch.num_tiles, sch.grid[0])
-                t = two_phase.PrepPlan(B, T, H, None, kda, torch.bfloat16, x["beta"].dtype, x["q"].device,
-                                       cpt).allocate(torch.bfloat16)
+                plan = two_phase.PrepPlan(B, T, H, None, kda, torch.bfloat16, x["beta"].dtype, x["q"].device, cpt)
+                slots = 132 * plan.occupancy   # CTAs per SM: 3 with PREP_TRIO's build on a large grid
+                trio = plan.occupancy == 3
+                t = plan.allocate(torch.bfloat16)
                 if t.raw:   # GDN_RAW_QK: the kernel takes q, k in the qg, kg places (and writes neither)
                     t = dataclasses.replace(t, qg=x["q"], kg=x["k"])
                 terms = (t.qg, t.w, t.u, t.kg, t.aqk, t.eg)
-                fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, kda, row_anchors=ra).fn
+                fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, kda, row_anchors=ra, trio=trio).fn
                 flags = two_phase.no_flags(x["q"].device)
                 us = graph_us(lambda: fn(*args, *terms, *launch, 128 ** -0.5, *flags))
                 print(f"{op} prep {form} B={B} H={H} T={T} chunks/tile {cpt} ({sch.num_tiles} CTAs): {us:.1f} us "
                       f"({us * slots / (B * H * chunks):.2f} us/chunk/CTA)", flush=True)
                 fn = two_phase.compile_chunk_prep(torch.bfloat16, x["beta"].dtype, kda, profile=True,
-                                                  row_anchors=ra).fn
+                                                  row_anchors=ra, trio=trio).fn
                 t.eg.zero_()
                 fn(*args, *terms, *launch, 128 ** -0.5, *flags)
                 torch.cuda.synchronize()
@@ -464,7 +466,31 @@ def time_raw():
     time_op_settings(["gdn"], cells, settings, lambda: setattr(two_phase, "GDN_RAW_QK", default))
 
 
-MODES = {"raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+def time_trio():
+    """GDN's phase 1 (raw build) with two CTAs per SM against three (PREP_TRIO), the same tiles (two chunks each):
+    graph-replay time, us per chunk per CTA at its own occupancy; then the op beside FLA under both settings
+    (each plans with its own slots per SM). TRIO_CELLS="B,H,T;..." picks the cells."""
+    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
+        "TRIO_CELLS", "1,4,4096;1,4,16384;1,16,2048;2,16,8192;8,8,4096").split(";")]
+    default = two_phase.PREP_TRIO
+    for B, H, T in cells:
+        x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+        line = []
+        chunks = B * H * -(-T // 64)
+        for trio in (False, True):
+            two_phase.PREP_TRIO = trio
+            t = graph_us(lambda: two_phase.chunk_prep(*args, kda=False, chunks_per_tile=2))
+            slots = 132 * (3 if trio else 2)
+            line.append(f"{'trio' if trio else 'slim'} {t:.1f} us ({t * slots / chunks:.2f} us/chunk/CTA)")
+        two_phase.PREP_TRIO = default
+        print(f"gdn prep B={B} H={H} T={T} (2 chunks per tile): " + " | ".join(line), flush=True)
+    settings = [("slim", lambda: setattr(two_phase, "PREP_TRIO", False)),
+                ("trio", lambda: setattr(two_phase, "PREP_TRIO", True))]
+    time_op_settings(["gdn"], cells, settings, lambda: setattr(two_phase, "PREP_TRIO", default))
+
+
+MODES = {"trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}
 
 

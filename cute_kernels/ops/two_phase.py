@@ -122,6 +122,14 @@ PREP_TMA_OUT = os.environ.get("CUTE_KERNELS_PREP_TMA_OUT", "1") == "1"
 GDN_RAW_QK = os.environ.get("CUTE_KERNELS_GDN_RAW_QK", "1") == "1"
 
 
+# GDN_RAW_QK's phase 1 with three CTAs per SM (`ChunkPrepSm90(trio=True)`: Akk over the dead q tile, the solve's
+# scratch over Xk, ~74 KB of shared memory, at most 72 registers per thread), for grids the two-per-SM build would
+# run in more than one wave (`prep_occupancy`). H200, session 18 (`scripts/time_two_phase.py trio`): phase 1
+# 151.6 -> 132.9 us at B=2 H=16 T=8192 and 151.9 -> 132.8 at B=8 H=8 T=4096 (the op 327.5 -> 309.1, 261.3 -> 244.9);
+# in one wave it was no faster (B=1 H=4 T=4096: 13.7 vs 14.0 us). CUTE_KERNELS_PREP_TRIO=0 turns it off.
+PREP_TRIO = os.environ.get("CUTE_KERNELS_PREP_TRIO", "1") == "1"
+
+
 def raw_qk_path(kda: bool) -> bool:
     """Whether the two-phase path runs GDN_RAW_QK's kernels (GDN, the slim phase 1, the rs state pass with its
     decays in the ring, not `pair`)."""
@@ -129,8 +137,16 @@ def raw_qk_path(kda: bool) -> bool:
 
 
 def prep_ctas_per_sm(kda: bool) -> int:
-    """Phase-1 CTAs that share an SM (the cost model's slots per SM): 2 for GDN's slim kernel, else 1."""
+    """Phase-1 CTAs that share an SM in the base build: 2 for GDN's slim kernel, else 1 (`prep_occupancy` may
+    raise it to 3 for a large grid)."""
     return 2 if (PREP_SLIM and not kda) else 1
+
+
+def prep_occupancy(kda: bool, num_tiles: int, sms: int) -> int:
+    """Phase-1 CTAs per SM for a grid of `num_tiles`: 3 (PREP_TRIO's build) when GDN_RAW_QK's build is on and two
+    per SM would take more than one wave, else `prep_ctas_per_sm`."""
+    base = prep_ctas_per_sm(kda)
+    return 3 if (PREP_TRIO and raw_qk_path(kda) and num_tiles > base * sms) else base
 
 
 def prep_chunks_per_tile(problem, kda: bool, slots: int) -> int:
@@ -142,12 +158,13 @@ def prep_chunks_per_tile(problem, kda: bool, slots: int) -> int:
 def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool, vec: bool | None = None,
                        prefetch: bool | None = None, slim: bool | None = None, dump_dir=None,
                        profile: bool = False, pdl: bool | None = None, publish: bool = False,
-                       row_anchors: bool | None = None, tma_out: bool | None = None, raw_qk: bool | None = None):
+                       row_anchors: bool | None = None, tma_out: bool | None = None, raw_qk: bool | None = None,
+                       trio: bool | None = None):
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
     to the fused kernel's switches (KDA_VEC, KDA_PREFETCH), its `row_anchors` to KDA_ROW_ANCHORS (with `vec`),
     `tma_out` to PREP_TMA_OUT (with `row_anchors`, not `publish`);
-    GDN's `slim` to PREP_SLIM, `raw_qk` to `raw_qk_path` (with `slim`, not `publish`). `publish`: the overlapped
-    path's build (persistent grid, per-chunk flags; see `OverlapPlan`)."""
+    GDN's `slim` to PREP_SLIM, `raw_qk` to `raw_qk_path` (with `slim`, not `publish`), `trio` to PREP_TRIO (with
+    `raw_qk`). `publish`: the overlapped path's build (persistent grid, per-chunk flags; see `OverlapPlan`)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
     from . import linear_attention as la
 
@@ -158,8 +175,9 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     row_anchors = vec and (KDA_ROW_ANCHORS if row_anchors is None else row_anchors)
     tma_out = row_anchors and not publish and (PREP_TMA_OUT if tma_out is None else tma_out)
     raw_qk = slim and not publish and (raw_qk_path(kda) if raw_qk is None else raw_qk)
+    trio = raw_qk and (PREP_TRIO if trio is None else trio)
     key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, pdl, publish,
-           row_anchors, tma_out, raw_qk)
+           row_anchors, tma_out, raw_qk, trio)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -172,7 +190,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
         io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
         kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch, slim=slim,
                                profile=profile, pdl=pdl, publish=publish, row_anchors=row_anchors,
-                               tma_out=tma_out, raw_qk=raw_qk)
+                               tma_out=tma_out, raw_qk=raw_qk, trio=trio)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         # KDA's g: 16-byte aligned (the ops check it; row_anchors prefetches it in 16-byte vectors)
         gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN),   # noqa: E731
@@ -256,8 +274,8 @@ _plans: dict = {}
 
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
-    PREP_TMA_OUT, GDN_RAW_QK, the STATE_* switches of the state pass, the affine-merge variant setting)."""
-    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, STATE_PASS_RS, STATE_STAGES,
+    PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, the STATE_* switches of the state pass, the affine-merge variant setting)."""
+    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, STATE_PASS_RS, STATE_STAGES,
             STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL, _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
     if plan is None:
@@ -289,15 +307,19 @@ class PrepPlan:
 
         self.shape, self.kda, self.device = (B, T, H), kda, device
         problem = _problem(B, T, H, cu)
-        if chunks_per_tile is None:
-            from .linear_attention import _sm_count
+        from .linear_attention import _sm_count
 
+        if chunks_per_tile is None:
             chunks_per_tile = prep_chunks_per_tile(problem, kda, _sm_count(device))
         self.chunks_per_tile = chunks_per_tile
         seg = Segmentation([split_even(c, max(1, -(-c // chunks_per_tile))) for c in problem.chunks])
         schedule = schedule_from_segmentation(problem, seg, "prep")
         self.raw = raw_qk_path(kda)
-        self.fn = compile_chunk_prep(io, beta_dtype, kda, raw_qk=self.raw).fn if T else None
+        # (CPU plans, the tests' emulated kernels: no SM count to ask, the base build)
+        self.occupancy = (prep_occupancy(kda, schedule.num_tiles, _sm_count(device)) if device.type == "cuda"
+                          else prep_ctas_per_sm(kda))
+        self.fn = (compile_chunk_prep(io, beta_dtype, kda, raw_qk=self.raw, trio=self.occupancy == 3).fn
+                   if T else None)
         self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
         self.flag_args = no_flags(device)
         wide, eg_floats = (2, 4) if self.raw else (4, 128 if kda else 1)
@@ -745,10 +767,16 @@ PREP_SLIM_CHUNK_US = float(os.environ.get("CUTE_KERNELS_PREP_SLIM_CHUNK_US", "11
 # B=2 H=16 T=8192 179.8 vs 172.7 us) -> STATE_RAW_CHUNK_US.
 PREP_SLIM_RAW_CHUNK_US = 9.6
 STATE_RAW_CHUNK_US = 1.2
+# PREP_TRIO's, per chunk per CTA with three CTAs on each SM: 12.85 measured at B=2 H=16 T=8192 and B=8 H=8 T=4096
+# (session 18; the slim build 9.77 in the same run).
+PREP_TRIO_CHUNK_US = 14.0
 
 
-def prep_slim_chunk_us() -> float:
-    """GDN's slim phase 1 per chunk per CTA for the cost models, by GDN_RAW_QK's build or the gated one."""
+def prep_slim_chunk_us(per_sm: int = 2) -> float:
+    """GDN's slim phase 1 per chunk per CTA for the cost models, by GDN_RAW_QK's build (`per_sm` 3: PREP_TRIO's)
+    or the gated one."""
+    if per_sm == 3:
+        return PREP_TRIO_CHUNK_US
     return PREP_SLIM_RAW_CHUNK_US if raw_qk_path(False) else PREP_SLIM_CHUNK_US
 # The rs state pass per chunk per CTA with exp(G_last) in the ring (session 9, unsplit B=1 H=4 and B=2 H=16
 # T=8192: GDN 1.06-1.19, KDA 1.13-1.22; before it GDN 1.36-1.47, KDA 1.68-1.74); the smem variant's were 1.8.
@@ -781,8 +809,8 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
     if chunks_per_tile is None:
         chunks_per_tile = prep_chunks_per_tile(problem, kda, slots)
     prep = [min(chunks_per_tile, c - i) for c in problem.chunks for _ in range(H) for i in range(0, c, chunks_per_tile)]
-    per_sm = prep_ctas_per_sm(kda)
-    t = makespan(prep, slots * per_sm) * (prep_slim_chunk_us() if per_sm > 1 else prep_chunk_us(kda)) + LAUNCH_US
+    per_sm = prep_occupancy(kda, len(prep), slots)
+    t = makespan(prep, slots * per_sm) * (prep_slim_chunk_us(per_sm) if per_sm > 1 else prep_chunk_us(kda)) + LAUNCH_US
     lens = []
     for c, n in zip(problem.chunks, counts):
         b = split_even(c, max(1, min(n, c)))

@@ -43,6 +43,11 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     holding (scale 2^G_r, 2^(G_last - G_r), 2^G_last, 0) in one 16-byte store. 32 of the ~120 KB a chunk and head
     moves through global memory (qg and kg) are then never written.
 
+    `trio` (with `raw_qk`): three CTAs per SM. The raw build reads q only in step 1's q k^T product, so the fp32 Akk
+    buffer (rows padded to 68 floats) lies over the q tile and the 1 KB after it, and the solve's scratch over the
+    Xk tile (written only after the solve's last use of it); one more consumer barrier after step 1's products
+    (consumer 0 writes Akk once consumer 1's product has read q). 75.8 KB of shared memory, at most 72 registers.
+
     `pdl`: every CTA starts with `griddepcontrol.launch_dependents`, so a state pass launched with PDL starts its
     prologue once this grid's last wave has begun (it waits for the whole grid before reading the terms).
 
@@ -83,7 +88,8 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
 
     def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
                  prefetch_gates: bool = False, slim: bool = False, profile: bool = False, pdl: bool = False,
-                 publish: bool = False, row_anchors: bool = False, tma_out: bool = False, raw_qk: bool = False):
+                 publish: bool = False, row_anchors: bool = False, tma_out: bool = False, raw_qk: bool = False,
+                 trio: bool = False):
         super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
                          vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
         if slim and kda:
@@ -97,11 +103,14 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         if raw_qk and not slim:
             raise ValueError("ChunkPrepSm90: raw_qk is the slim (GDN) build's")
         self.raw_qk = raw_qk
+        if trio and not (raw_qk and not publish):
+            raise ValueError("ChunkPrepSm90: trio (three CTAs per SM) is the raw_qk build's, without publish")
+        self.trio = trio
         self.slim = slim
         if slim:
             self.num_stages = 1
             self.num_threads = 288
-        self.ctas_per_sm = 2 if slim else 1
+        self.ctas_per_sm = 3 if trio else 2 if slim else 1
         self.profile = profile
         self.pdl = pdl
         self.publish = publish
@@ -180,9 +189,27 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             sBeta: cute.struct.MemRange[Float32, C]
             sScan: cute.struct.MemRange[Float32, 4]
 
-        self.shared_storage = SlimStorage
-        self.smem_bytes = SlimStorage.size_in_bytes()
-        assert self.smem_bytes <= 232448 // 2 - 1024, f"slim shared storage {self.smem_bytes} B: two CTAs do not fit"
+        @cute.struct
+        class TrioStorage:
+            # sAkk (fp32, rows padded to 68 floats: 17 KB) lies over sQ and the 1 KB after it; sY over sXk
+            sQ: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
+            sAkkTail: cute.struct.MemRange[Float32, C * AKK_STRIDE - C * 64]
+            sK: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
+            sXk: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
+            sXv: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
+            sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
+            load_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            sG: cute.struct.MemRange[Float32, C]
+            sEG: cute.struct.MemRange[Float32, C]
+            sEGL: cute.struct.MemRange[Float32, C]
+            sBeta: cute.struct.MemRange[Float32, C]
+            sScan: cute.struct.MemRange[Float32, 4]
+
+        self.shared_storage = TrioStorage if self.trio else SlimStorage
+        self.smem_bytes = self.shared_storage.size_in_bytes()
+        per_sm = self.ctas_per_sm
+        assert (self.smem_bytes + 1024) * per_sm <= 233472, f"shared storage {self.smem_bytes} B: {per_sm} CTAs do not fit"
 
     @cute.jit
     def set_rows_shared_storage(self):
@@ -305,8 +332,14 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             sFlag = st.sFlag.get_tensor(cute.make_layout(4))
         sXv = self.view(st.sXv, C, C)[None, None, 0]
         sAqk = self.view(st.sAqk, C, C)[None, None, 0]
-        sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
-        sY = st.sY.get_tensor(cute.make_layout(SOLVE_Y))
+        if cutlass.const_expr(self.trio):
+            # q is dead once step 1's products have read it (the raw build writes no qg); X is dead after step 3
+            sAkk = cute.make_tensor(cute.recast_ptr(st.sQ.data_ptr(), dtype=Float32),
+                                    cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
+            sY = cute.make_tensor(cute.recast_ptr(st.sXk.data_ptr(), dtype=Float32), cute.make_layout(SOLVE_Y))
+        else:
+            sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
+            sY = st.sY.get_tensor(cute.make_layout(SOLVE_Y))
         sG = st.sG.get_tensor(cute.make_layout(C))
         sEG = st.sEG.get_tensor(cute.make_layout(C))
         sEGL = st.sEGL.get_tensor(cute.make_layout(C))
@@ -462,6 +495,9 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                     cc_kk = thr_kk.partition_C(cute.make_identity_tensor((C, C)))
                     self.gdn_intra_issue(j, wtid, acc_kk, stage, sQ, sK, True)
                     warpgroup.wait_group(0)
+                    if cutlass.const_expr(self.trio):
+                        # consumer 0 writes Akk over q: consumer 1's q k^T product must have read q
+                        cute.arch.barrier(barrier_id=1, number_of_threads=256)
                     self.gdn_intra_finish(j, wtid, acc_kk, cc_kk, L, scale, sG, sBeta, tAkk, sAqk, True)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier(barrier_id=1, number_of_threads=256)

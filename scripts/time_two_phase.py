@@ -435,10 +435,11 @@ def time_phases():
 def time_overlap():
     """The op (scheduler=None) with the overlapped path off (its usual plan) and forced (CUTE_KERNELS_OVERLAP=1),
     FLA in the same run: GPU time from graph replay, the plan's segment count, max relative error against FLA,
-    NaN, and the model's prediction. OVERLAP_OPS=gdn,kda picks the ops."""
+    NaN, and the model's prediction. OVERLAP_OPS=gdn,kda picks the ops, OVERLAP_CELLS="B,H,T;..." the cells."""
     from schedulers import Problem
 
-    cells = [(1, 16, 2048), (1, 16, 4096), (1, 16, 8192), (2, 8, 4096), (1, 8, 8192), (4, 4, 8192)]
+    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
+        "OVERLAP_CELLS", "1,16,2048;1,16,4096;1,16,8192;2,8,4096;1,8,8192;4,4,8192").split(";")]
     settings = [("plain", lambda: setattr(la, "OVERLAP", "0")), ("overlap", lambda: setattr(la, "OVERLAP", "1"))]
     model = lambda op, B, H, T: (   # noqa: E731
         f"model overlap {two_phase.predicted_overlap_us(Problem.fixed(B, T, H), op == 'kda', 132):.0f} us")

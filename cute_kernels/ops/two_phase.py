@@ -274,7 +274,8 @@ _plans: dict = {}
 
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
-    PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, the STATE_* switches of the state pass, the affine-merge variant setting)."""
+    PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, the STATE_* switches of the state pass, the affine-merge variant
+    setting)."""
     full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, STATE_PASS_RS, STATE_STAGES,
             STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL, _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)

@@ -145,26 +145,35 @@ def _variants() -> list[Variant]:
         ))
         if not kda:   # GDN's slim phase 1: two CTAs per SM, 288 threads, no register reallocation; raw: without
             # the gated q / k copies (GDN_RAW_QK, the default), the per-token factors in one 16-byte store per row
-            # (trio: that build with three CTAs per SM, PREP_TRIO)
-            for raw, trio in ((False, False), (True, False), (True, True)):
+            # (trio: that build with three CTAs per SM, PREP_TRIO; mma: its solve's doubling levels as tf32
+            # mma.sync products, PREP_SOLVE_MMA)
+            for raw, trio, mma in ((False, False, False), (True, False, False), (True, True, False),
+                                   (True, True, True)):
                 out.append(Variant(
-                    op, f"{tag}_chunk_prep_sm90_bfloat16_slim" + ("_raw" if raw else "") + ("_trio" if trio else ""),
-                    lambda d, raw=raw, trio=trio: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=True,
-                                                                     dump_dir=d, pdl=True, raw_qk=raw, trio=trio),
+                    op, f"{tag}_chunk_prep_sm90_bfloat16_slim" + ("_raw" if raw else "") + ("_trio" if trio else "")
+                    + ("_mma" if mma else ""),
+                    lambda d, raw=raw, trio=trio, mma=mma: compile_chunk_prep(
+                        torch.bfloat16, torch.bfloat16, False, slim=True, dump_dir=d, pdl=True, raw_qk=raw, trio=trio,
+                        solve_mma=mma),
                     ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4",
                                    f".minnctapersm {3 if trio else 2}", ".reqntid 288",
-                                   "griddepcontrol.launch_dependents"),
+                                   "griddepcontrol.launch_dependents")
+                    + (("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32") if mma else ()),
                     archs=("sm_90a",),
                 ))
         else:   # KDA's phase 1 builds with the row-anchored Akk / Aqk by default (m64n48 / n32 band products);
             # still selectable: the column form (CUTE_KERNELS_KDA_ROW_ANCHORS=0) and the row-anchored build with
             # its terms stored by threads (CUTE_KERNELS_PREP_TMA_OUT=0)
-            for suffix, switch in (("columns", {"row_anchors": False}), ("thread_out", {"tma_out": False})):
+            # and the row-anchored build with its solve's doubling levels as tf32 mma.sync products (PREP_SOLVE_MMA)
+            mma = ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32")
+            for suffix, switch, extra in (("columns", {"row_anchors": False}, ()),
+                                          ("thread_out", {"tma_out": False}, ()),
+                                          ("mma", {"solve_mma": True}, mma)):
                 out.append(Variant(
                     op, f"{tag}_chunk_prep_sm90_bfloat16_{suffix}",
                     lambda d, switch=switch: compile_chunk_prep(torch.bfloat16, torch.bfloat16, True, dump_dir=d,
                                                                 pdl=True, **switch),
-                    ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4"),
+                    ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4") + extra,
                     archs=("sm_90a",),
                 ))
         # The overlapped path: phase 1 publishing per-chunk flags (GDN's build) and the state pass waiting on them

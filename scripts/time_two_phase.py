@@ -12,6 +12,7 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py pdl        # the op with programmatic dependent launch off / on
     python3 scripts/time_two_phase.py merge      # the op with the affine merge `prefetch` vs `regs`, FLA beside
     python3 scripts/time_two_phase.py phases     # the op's GPU time per kernel (profiler) at forced segment counts
+    python3 scripts/time_two_phase.py solve-mma  # phase 1's solve levels on CUDA cores vs tf32 mma.sync, then the op
     python3 scripts/time_two_phase.py trio       # GDN phase 1 with two CTAs per SM against three, then the op
     python3 scripts/time_two_phase.py overlap    # the op with the overlapped path off ("auto" plan) / forced, FLA beside
 """
@@ -491,7 +492,32 @@ def time_trio():
     time_op_settings(["gdn"], cells, settings, lambda: setattr(two_phase, "PREP_TRIO", default))
 
 
-MODES = {"trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+def time_solve_mma():
+    """Phase 1 with its solve's doubling levels on the CUDA cores against tf32 mma.sync (PREP_SOLVE_MMA), GDN (raw,
+    trio on large grids) and KDA (row-anchored): graph-replay time of phase 1 alone on the same tiles, then the op
+    beside FLA under both. MMA_CELLS="B,H,T;..." picks the cells, MMA_OPS=gdn,kda the ops."""
+    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
+        "MMA_CELLS", "1,4,16384;2,16,8192;8,8,4096").split(";")]
+    ops_ = os.environ.get("MMA_OPS", "gdn,kda").split(",")
+    default = two_phase.PREP_SOLVE_MMA
+    for op in ops_:
+        kda = op == "kda"
+        for B, H, T in cells:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+            line = []
+            for mma in (False, True):
+                two_phase.PREP_SOLVE_MMA = mma
+                t = graph_us(lambda: two_phase.chunk_prep(*args, kda=kda, chunks_per_tile=2))
+                line.append(f"{'mma' if mma else 'cuda cores'} {t:.1f} us")
+            two_phase.PREP_SOLVE_MMA = default
+            print(f"{op} prep B={B} H={H} T={T} (2 chunks per tile): " + " | ".join(line), flush=True)
+    settings = [("cuda cores", lambda: setattr(two_phase, "PREP_SOLVE_MMA", False)),
+                ("mma", lambda: setattr(two_phase, "PREP_SOLVE_MMA", True))]
+    time_op_settings(ops_, cells, settings, lambda: setattr(two_phase, "PREP_SOLVE_MMA", default))
+
+
+MODES = {"solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}
 
 

@@ -667,8 +667,11 @@ def test_product_solve_operand_precision():
     """The tensor-core form of the solve's doubling levels (`product_unit_lower_inverse`): fp32 operands match the
     inverse; tf32 operands rounded to nearest keep w = X diag(beta 2^G) k within 2.5e-3 of float64 on the worst
     chunks (one repeated key) and 5e-4 on random keys; truncated tf32 and bf16 operands are measurably worse (why
-    a kernel would convert with cvt.rna.tf32.f32 and not use bf16)."""
-    from cute_kernels.reference.blocked_solve import product_unit_lower_inverse, round_operand
+    a kernel would convert with cvt.rna.tf32.f32 and not use bf16). The form `solve_levels_mma` runs
+    (`blocked_unit_lower_inverse(operand="tf32")`: X_10 = -(Y + X_11^strict Y), the unit diagonal in fp32) is at
+    least as accurate."""
+    from cute_kernels.reference.blocked_solve import (blocked_unit_lower_inverse, product_unit_lower_inverse,
+                                                      round_operand)
 
     x = torch.tensor([1.0 + 2.0 ** -11, -(1.0 + 2.0 ** -11), 1.0 + 2.0 ** -12])
     assert round_operand(x, "tf32").tolist() == [1.0 + 2.0 ** -10, -(1.0 + 2.0 ** -10), 1.0]   # ties away
@@ -676,16 +679,19 @@ def test_product_solve_operand_precision():
     gen = _gen("product-solve", 0)
     worst = {}
     for correlated in (False, True):
-        errs = {op: [] for op in ("fp32", "tf32", "tf32-trunc", "bf16")}
+        errs = {op: [] for op in ("fp32", "tf32", "tf32-trunc", "bf16", "kernel-tf32")}
         for _ in range(20):
             A, kb = _chunk_akk(gen, correlated)
             w_want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + A) @ kb
             for op in errs:
-                w = product_unit_lower_inverse(A, op).double() @ kb
+                X = (blocked_unit_lower_inverse(A.float(), operand="tf32") if op == "kernel-tf32"
+                     else product_unit_lower_inverse(A, op))
+                w = X.double() @ kb
                 errs[op].append(((w - w_want).norm() / w_want.norm()).item())
         worst[correlated] = {op: max(e) for op, e in errs.items()}
         mean = {op: sum(e) / len(e) for op, e in errs.items()}
         assert worst[correlated]["fp32"] <= 1e-6
         assert worst[correlated]["tf32"] <= (2.5e-3 if correlated else 5e-4), worst
+        assert worst[correlated]["kernel-tf32"] <= 1.05 * worst[correlated]["tf32"], worst
         assert mean["tf32-trunc"] > 1.5 * mean["tf32"] and mean["bf16"] > 4 * mean["tf32"], mean
     assert worst[True]["bf16"] > 5e-3, worst   # too coarse where the chunk's keys repeat

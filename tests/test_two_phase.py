@@ -103,17 +103,21 @@ def chunk_last_rows(T, B):
 
 
 @requires_sm90
-@pytest.mark.parametrize("kda,slim,raw,trio", [(False, False, False, False), (False, True, False, False),
-                                               (False, True, True, False), (False, True, True, True),
-                                               (True, False, False, False)])
+@pytest.mark.parametrize("kda,slim,raw,trio,mma", [(False, False, False, False, False),
+                                                   (False, True, False, False, False),
+                                                   (False, True, True, False, False), (False, True, True, True, False),
+                                                   (False, True, True, True, True), (False, True, True, False, True),
+                                                   (True, False, False, False, False), (True, False, False, False, True)])
 @pytest.mark.parametrize("B,T,H", [(1, 64, 1), (2, 1000, 3), (1, 4096, 4)])
 @pytest.mark.parametrize("chunks_per_tile", [1, 2])
-def test_prep_kernel_matches_torch_prep(kda, slim, raw, trio, B, T, H, chunks_per_tile, monkeypatch):
+def test_prep_kernel_matches_torch_prep(kda, slim, raw, trio, mma, B, T, H, chunks_per_tile, monkeypatch):
     """Phase 1's terms against the torch spec (raw: GDN_RAW_QK's per-token factors, through `PrepTerms.gated`;
-    trio: three CTAs per SM), NaN-poisoned outputs, run-to-run bitwise."""
+    trio: three CTAs per SM; mma: the solve's doubling levels as tf32 tensor-core products), NaN-poisoned
+    outputs, run-to-run bitwise."""
     monkeypatch.setattr(two_phase, "PREP_SLIM", slim)
     monkeypatch.setattr(two_phase, "GDN_RAW_QK", raw)
     monkeypatch.setattr(two_phase, "PREP_TRIO", trio)
+    monkeypatch.setattr(two_phase, "PREP_SOLVE_MMA", mma)
     monkeypatch.setattr(two_phase, "_POISON_PREP", True)
     gen = torch.Generator().manual_seed(100 + B * T + H + kda)
     q, k, v, g, beta, _ = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")

@@ -129,6 +129,11 @@ GDN_RAW_QK = os.environ.get("CUTE_KERNELS_GDN_RAW_QK", "1") == "1"
 # in one wave it was no faster (B=1 H=4 T=4096: 13.7 vs 14.0 us). CUTE_KERNELS_PREP_TRIO=0 turns it off.
 PREP_TRIO = os.environ.get("CUTE_KERNELS_PREP_TRIO", "1") == "1"
 
+# Phase 1's solve with its doubling levels as tf32 tensor-core products (`ChunkPrepSm90(solve_mma=True)`: warp-level
+# mma.sync, operands rounded to nearest; GDN's slim / trio and KDA's row-anchored builds). Off until measured on the
+# GPU (written in session 18 after its device time was spent). CUTE_KERNELS_PREP_SOLVE_MMA=1 turns it on.
+PREP_SOLVE_MMA = os.environ.get("CUTE_KERNELS_PREP_SOLVE_MMA", "0") == "1"
+
 
 def raw_qk_path(kda: bool) -> bool:
     """Whether the two-phase path runs GDN_RAW_QK's kernels (GDN, the slim phase 1, the rs state pass with its
@@ -159,12 +164,12 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
                        prefetch: bool | None = None, slim: bool | None = None, dump_dir=None,
                        profile: bool = False, pdl: bool | None = None, publish: bool = False,
                        row_anchors: bool | None = None, tma_out: bool | None = None, raw_qk: bool | None = None,
-                       trio: bool | None = None):
+                       trio: bool | None = None, solve_mma: bool | None = None):
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
     to the fused kernel's switches (KDA_VEC, KDA_PREFETCH), its `row_anchors` to KDA_ROW_ANCHORS (with `vec`),
     `tma_out` to PREP_TMA_OUT (with `row_anchors`, not `publish`);
     GDN's `slim` to PREP_SLIM, `raw_qk` to `raw_qk_path` (with `slim`, not `publish`), `trio` to PREP_TRIO (with
-    `raw_qk`). `publish`: the overlapped path's build (persistent grid, per-chunk flags; see `OverlapPlan`)."""
+    `raw_qk`), `solve_mma` to PREP_SOLVE_MMA (with `slim` or `row_anchors`). `publish`: the overlapped path's build (persistent grid, per-chunk flags; see `OverlapPlan`)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
     from . import linear_attention as la
 
@@ -176,8 +181,9 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     tma_out = row_anchors and not publish and (PREP_TMA_OUT if tma_out is None else tma_out)
     raw_qk = slim and not publish and (raw_qk_path(kda) if raw_qk is None else raw_qk)
     trio = raw_qk and (PREP_TRIO if trio is None else trio)
+    solve_mma = (slim or row_anchors) and (PREP_SOLVE_MMA if solve_mma is None else solve_mma)
     key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, pdl, publish,
-           row_anchors, tma_out, raw_qk, trio)
+           row_anchors, tma_out, raw_qk, trio, solve_mma)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -190,7 +196,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
         io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
         kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch, slim=slim,
                                profile=profile, pdl=pdl, publish=publish, row_anchors=row_anchors,
-                               tma_out=tma_out, raw_qk=raw_qk, trio=trio)
+                               tma_out=tma_out, raw_qk=raw_qk, trio=trio, solve_mma=solve_mma)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         # KDA's g: 16-byte aligned (the ops check it; row_anchors prefetches it in 16-byte vectors)
         gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN),   # noqa: E731
@@ -274,10 +280,10 @@ _plans: dict = {}
 
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
-    PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, the STATE_* switches of the state pass, the affine-merge variant
-    setting)."""
-    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, STATE_PASS_RS, STATE_STAGES,
-            STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL, _merge.AFFINE_MERGE_IMPL)
+    PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, PREP_SOLVE_MMA, the STATE_* switches of the state pass, the affine-merge
+    variant setting)."""
+    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, PREP_SOLVE_MMA, STATE_PASS_RS,
+            STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL, _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:

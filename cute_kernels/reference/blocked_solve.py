@@ -12,12 +12,14 @@ into the (unused) upper part, so A stays readable while X is built. X has a unit
   (shorter dependency chains), added as (p0 + p1) + (p2 + p3).
 `blocked_unit_lower_inverse` follows those steps on a torch buffer (vectorized over the threads of a step).
 
-`product_unit_lower_inverse` is the candidate tensor-core form of the doubling levels (not built yet; NOTES.md,
-plan item 1): the same level 0, then each X_10 = -X_11 (A_10 X_00) as two matrix products whose operands are
+`product_unit_lower_inverse` is the first tensor-core form studied for the doubling levels: the same level 0, then each X_10 = -X_11 (A_10 X_00) as two matrix products whose operands are
 rounded to the tensor cores' input type (`operand`) and accumulated in fp32. Measured on the CPU
 (tests/test_reference.py, 20 chunks each): tf32 operands rounded to nearest (cvt.rna.tf32.f32 before the wgmma)
 keep w within 1.1e-3 of float64 even with one key repeated through the chunk (the worst conditioning; 8e-5 with
 random keys), truncated tf32 (the raw fp32 bits fed to the wgmma) 3.5e-3, bf16 operands 9.5e-3: too coarse.
+The kernel builds (`solve_levels_mma`, `blocked_unit_lower_inverse(operand="tf32")`) keep the unit diagonal of
+X_11 in fp32 -- X_10 = -(Y + X_11^strict Y) -- which is slightly more accurate (1.12e-3 / 6e-5), with warp-level
+mma.sync m16n8k8: the CuTe DSL (4.8.1) has no tf32 warpgroup (wgmma) op.
 """
 
 from __future__ import annotations
@@ -35,8 +37,13 @@ def _parts_sum(terms) -> torch.Tensor:
     return (parts[0] + parts[1]) + (parts[2] + parts[3])
 
 
-def blocked_unit_lower_inverse(A: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """(I + A)^-1 for strictly lower A [C, C] (C = block times a power of two), computed the kernels' way."""
+def blocked_unit_lower_inverse(A: torch.Tensor, block: int = BLOCK, operand: str = "fp32") -> torch.Tensor:
+    """(I + A)^-1 for strictly lower A [C, C] (C = block times a power of two), computed the kernels' way.
+
+    `operand` "fp32": the CUDA-core levels (4-way partial sums, in order). Otherwise the tensor-core levels of
+    `solve_levels_mma` (ChunkPrepSm90(solve_mma=True)): Y = A_10 X_00 and Z = X_11^strict Y on
+    `round_operand(., operand)` inputs with fp32 accumulation, X_10 = -(Y + Z) (the unit diagonal of X_11 in fp32;
+    the order of the tensor cores' sums is not modelled)."""
     C = A.shape[0]
     nb = C // block
     buf = torch.tril(A, -1).clone()
@@ -55,8 +62,12 @@ def blocked_unit_lower_inverse(A: torch.Tensor, block: int = BLOCK) -> torch.Ten
             x00 = _x_block(buf, b0, h)
             x11 = torch.tril(_x_block(buf, b1, h), -1)
             a10 = buf[b1:b1 + h, b0:b0 + h]
-            Y = _parts_sum([a10[:, s_:s_ + 1] * x00[s_:s_ + 1, :] for s_ in range(h)])
-            X10 = -Y - _parts_sum([x11[:, s_:s_ + 1] * Y[s_:s_ + 1, :] for s_ in range(h)])
+            if operand == "fp32":
+                Y = _parts_sum([a10[:, s_:s_ + 1] * x00[s_:s_ + 1, :] for s_ in range(h)])
+                X10 = -Y - _parts_sum([x11[:, s_:s_ + 1] * Y[s_:s_ + 1, :] for s_ in range(h)])
+            else:
+                Y = round_operand(a10, operand) @ round_operand(x00, operand)
+                X10 = -(Y + round_operand(x11, operand) @ round_operand(Y, operand))
             buf[b0:b0 + h, b1:b1 + h] = X10.T
         h *= 2
     return torch.eye(C, dtype=A.dtype) + torch.triu(buf, 1).T

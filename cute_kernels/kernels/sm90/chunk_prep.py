@@ -16,7 +16,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from schedulers.device import TileScheduler
 
 from . import wgmma_tiles as wt
-from .gdn_fwd import AKK_STRIDE, HALF, SOLVE_Y, ChunkGatedDeltaRuleFwdSm90, C, flat, thd
+from .gdn_fwd import AKK_STRIDE, HALF, SOLVE_Y, SOLVE_Y_MMA, ChunkGatedDeltaRuleFwdSm90, C, flat, thd
 
 
 class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
@@ -89,7 +89,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
                  prefetch_gates: bool = False, slim: bool = False, profile: bool = False, pdl: bool = False,
                  publish: bool = False, row_anchors: bool = False, tma_out: bool = False, raw_qk: bool = False,
-                 trio: bool = False):
+                 trio: bool = False, solve_mma: bool = False):
         super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
                          vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
         if slim and kda:
@@ -106,6 +106,9 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         if trio and not (raw_qk and not publish):
             raise ValueError("ChunkPrepSm90: trio (three CTAs per SM) is the raw_qk build's, without publish")
         self.trio = trio
+        if solve_mma and not (slim or row_anchors):
+            raise ValueError("ChunkPrepSm90: solve_mma is the slim (GDN) and row-anchored (KDA) builds' option")
+        self.solve_mma = solve_mma
         self.slim = slim
         if slim:
             self.num_stages = 1
@@ -171,6 +174,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     def set_slim_shared_storage(self):
         """`slim`: the fields GDN's prep reads, one q/k/v stage (w and u are staged in sK and sV)."""
         io = self.io_dtype
+        n_y = SOLVE_Y_MMA if self.solve_mma else SOLVE_Y
 
         @cute.struct
         class SlimStorage:
@@ -182,7 +186,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             sXv: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
             sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
             sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * AKK_STRIDE], 16]
-            sY: cute.struct.Align[cute.struct.MemRange[Float32, SOLVE_Y], 16]
+            sY: cute.struct.Align[cute.struct.MemRange[Float32, n_y], 16]
             sG: cute.struct.MemRange[Float32, C]
             sEG: cute.struct.MemRange[Float32, C]
             sEGL: cute.struct.MemRange[Float32, C]
@@ -217,6 +221,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         operands: L_q, the right factors of bands 1-3 (48, 32, 16 rows; band 0 lives in sVnew, u's staging
         later), the channel factors and the anchors' 2^G (sC [10, 128], see `kda_gates`)."""
         io = self.io_dtype
+        n_y = SOLVE_Y_MMA if self.solve_mma else SOLVE_Y
 
         @cute.struct
         class RowsStorage:
@@ -234,7 +239,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             sR2: cute.struct.Align[cute.struct.MemRange[io, 32 * 128], 1024]
             sR3: cute.struct.Align[cute.struct.MemRange[io, 16 * 128], 1024]
             sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * AKK_STRIDE], 16]
-            sY: cute.struct.Align[cute.struct.MemRange[Float32, SOLVE_Y], 16]
+            sY: cute.struct.Align[cute.struct.MemRange[Float32, n_y], 16]
             sG: cute.struct.MemRange[Float32, C]
             sEG: cute.struct.MemRange[Float32, C]
             sEGL: cute.struct.MemRange[Float32, C]
@@ -332,14 +337,15 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             sFlag = st.sFlag.get_tensor(cute.make_layout(4))
         sXv = self.view(st.sXv, C, C)[None, None, 0]
         sAqk = self.view(st.sAqk, C, C)[None, None, 0]
+        n_y = SOLVE_Y_MMA if self.solve_mma else SOLVE_Y
         if cutlass.const_expr(self.trio):
             # q is dead once step 1's products have read it (the raw build writes no qg); X is dead after step 3
             sAkk = cute.make_tensor(cute.recast_ptr(st.sQ.data_ptr(), dtype=Float32),
                                     cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
-            sY = cute.make_tensor(cute.recast_ptr(st.sXk.data_ptr(), dtype=Float32), cute.make_layout(SOLVE_Y))
+            sY = cute.make_tensor(cute.recast_ptr(st.sXk.data_ptr(), dtype=Float32), cute.make_layout(n_y))
         else:
             sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
-            sY = st.sY.get_tensor(cute.make_layout(SOLVE_Y))
+            sY = st.sY.get_tensor(cute.make_layout(n_y))
         sG = st.sG.get_tensor(cute.make_layout(C))
         sEG = st.sEG.get_tensor(cute.make_layout(C))
         sEGL = st.sEGL.get_tensor(cute.make_layout(C))

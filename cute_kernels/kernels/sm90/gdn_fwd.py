@@ -15,7 +15,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from . import wgmma_tiles
 
@@ -29,6 +29,8 @@ NUM_STAGES = 2  # q/k/v ring depth for GDN (KDA: 1)
 # (272-byte rows also keep 8 consecutive rows' 16-byte loads on distinct banks).
 AKK_STRIDE = C + 4
 SOLVE_Y = 1024   # floats of the solve's product buffer (its level 32: a 32 x 32 tile)
+Y_STRIDE = 40    # `solve_levels_mma`'s Y rows (padded: conflict-free fragment loads)
+SOLVE_Y_MMA = 32 * Y_STRIDE
 LOG2E = math.log2(math.e)
 # KDA: the anchored diagonal-block products use right factors up to 2^KDA_ANCHOR_LIMIT (log2 units, per 16 rows).
 # A chunk whose decay inside a 16-row block exceeds it takes the exact (slower) diagonal path instead.
@@ -118,6 +120,8 @@ class ChunkGatedDeltaRuleFwdSm90:
         # KDA: the per-element passes (gating, the anchored factors of `kda_block`) in 16-byte vectors of 8
         # channels through a 256-thread tiled copy, instead of one 2-byte element per thread and step.
         self.vec_elementwise = vec_elementwise
+        # The solve's doubling levels as tf32 tensor-core products (`solve_levels_mma`); the prep kernel's switch.
+        self.solve_mma = False
         # KDA: the next chunk's raw g rows stream into the G buffer by cp.async once this chunk's step 1 is done
         # with it, and its beta into a register, so the gates stage reads shared memory instead of waiting on
         # global loads.
@@ -896,7 +900,8 @@ class ChunkGatedDeltaRuleFwdSm90:
         phases (Y = A_10 X_00 into sY, then X_10 = -(Y + X_11^strict Y)); operands read as 16-byte vectors (with one
         scalar load per operand the solve was bound by shared-memory instructions). Five barriers (the level
         scheme before it, 16 x 16 off-diagonal blocks one level at a time, had seven, and its later levels left
-        128-192 threads idle). X's strictly-lower part is written transposed into the unused upper triangle of
+        128-192 threads idle). With `solve_mma` the two levels are tf32 tensor-core products instead
+        (`solve_levels_mma`). X's strictly-lower part is written transposed into the unused upper triangle of
         the A buffer, so A stays readable throughout. Ends with
         Xv = X diag(beta) and (GDN) Xk = X diag(beta 2^G) in bf16, 16-byte stores. Spec (same steps, CPU-tested):
         cute_kernels/reference/blocked_solve.py. `prof` (the prep kernel's profile build): cycles of level 0, level
@@ -920,6 +925,37 @@ class ChunkGatedDeltaRuleFwdSm90:
                     sAkk[base + c, base + r] = x[r]
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
         self.solve_stamp(prof, 10)
+        if cutlass.const_expr(self.solve_mma):
+            self.solve_levels_mma(ctid, sAkk, sY, prof)
+        else:
+            self.solve_levels(ctid, sAkk, sY, prof)
+        # Xv = X diag(beta), Xk = X diag(beta 2^G) in 16-bit: thread (r, i-group) writes 8 consecutive columns
+        # [i0, i0 + 8) of row r per pass (one 16-byte store each); X[r, i] (i < r) sits transposed at [i, r].
+        r = ctid % 64
+        xb = cute.make_rmem_tensor((8,), Float32)
+        fb = cute.make_rmem_tensor((8,), Float32)
+        yv = cute.make_rmem_tensor((8,), io)
+        yk = cute.make_rmem_tensor((8,), io)
+        for pss in cutlass.range_constexpr(2):
+            i0 = 8 * (ctid // 64) + 32 * pss
+            cute.autovec_copy(cute.local_tile(sBeta, (8,), (cute.assume(i0, divby=8) // 8,)), fb)
+            for e in cutlass.range_constexpr(8):
+                xv = sAkk[i0 + e, r]
+                xv = cutlass.select_(i0 + e > r, Float32(0.0), xv)
+                xv = cutlass.select_(i0 + e == r, Float32(1.0), xv)
+                xb[e] = xv * fb[e]
+                yv[e] = io(xb[e])
+            cute.autovec_copy(yv, cute.local_tile(sXv[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
+            if cutlass.const_expr(not self.kda):
+                cute.autovec_copy(cute.local_tile(sEG, (8,), (cute.assume(i0, divby=8) // 8,)), fb)
+                for e in cutlass.range_constexpr(8):
+                    yk[e] = io(xb[e] * fb[e])
+                cute.autovec_copy(yk, cute.local_tile(sXk[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
+        self.solve_stamp(prof, 13)
+
+    @cute.jit
+    def solve_levels(self, ctid, sAkk, sY, prof):
+        """`solve_blocked`'s doubling levels h = 16, 32 on the CUDA cores (256 threads; prof stamps 11, 12)."""
         # Doubling levels h = 16, 32: the diagonal blocks of size 2h are [[X_00, 0], [X_10, X_11]] with
         # X_10 = -X_11 A_10 X_00, two phases each: Y = A_10 X_00 (-> sY), then X_10 = -(Y + X_11^strict Y), stored
         # transposed above the diagonal. Every sum keeps 4 partial sums by term index % 4 (shorter dependency
@@ -993,29 +1029,110 @@ class ChunkGatedDeltaRuleFwdSm90:
         cute.autovec_copy(x4, self.tile4(sAkk, cc, 32 + 4 * g))
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
         self.solve_stamp(prof, 12)
-        # Xv = X diag(beta), Xk = X diag(beta 2^G) in 16-bit: thread (r, i-group) writes 8 consecutive columns
-        # [i0, i0 + 8) of row r per pass (one 16-byte store each); X[r, i] (i < r) sits transposed at [i, r].
-        r = ctid % 64
-        xb = cute.make_rmem_tensor((8,), Float32)
-        fb = cute.make_rmem_tensor((8,), Float32)
-        yv = cute.make_rmem_tensor((8,), io)
-        yk = cute.make_rmem_tensor((8,), io)
-        for pss in cutlass.range_constexpr(2):
-            i0 = 8 * (ctid // 64) + 32 * pss
-            cute.autovec_copy(cute.local_tile(sBeta, (8,), (cute.assume(i0, divby=8) // 8,)), fb)
-            for e in cutlass.range_constexpr(8):
-                xv = sAkk[i0 + e, r]
-                xv = cutlass.select_(i0 + e > r, Float32(0.0), xv)
-                xv = cutlass.select_(i0 + e == r, Float32(1.0), xv)
-                xb[e] = xv * fb[e]
-                yv[e] = io(xb[e])
-            cute.autovec_copy(yv, cute.local_tile(sXv[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
-            if cutlass.const_expr(not self.kda):
-                cute.autovec_copy(cute.local_tile(sEG, (8,), (cute.assume(i0, divby=8) // 8,)), fb)
-                for e in cutlass.range_constexpr(8):
-                    yk[e] = io(xb[e] * fb[e])
-                cute.autovec_copy(yk, cute.local_tile(sXk[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
-        self.solve_stamp(prof, 13)
+
+    @cute.jit
+    def solve_levels_mma(self, ctid, sAkk, sY, prof):
+        """`solve_blocked`'s doubling levels h = 16, 32 as tf32 tensor-core products (warp-level mma.sync m16n8k8,
+        operands rounded to nearest with cvt.rna.tf32.f32, fp32 accumulation; prof stamps 11, 12).
+
+        Each level's blocks [[X_00, 0], [X_10, X_11]] (size 2 h): Y = A_10 X_00, then X_10 = -(Y + X_11^strict Y)
+        -- the unit diagonal of X_11 applied in fp32, only the strict part through the tensor cores (spec:
+        `reference/blocked_solve.py: blocked_unit_lower_inverse(operand="tf32")`). A warp owns one 16 x 8 tile of
+        X_10 in both products (h = 32: 8 tiles, every warp; h = 16: 2 tiles per block pair, warps 0-3). Y goes
+        through sY in fp32 (rows padded to Y_STRIDE floats: the second product's B operand, and the exact Y of the
+        sum). Operands come straight from the fp32 buffer: A_10 row-major, X_00 and X_11 from the
+        transposed strict lower part (masked to the unit triangle in registers). X_10 is written transposed above
+        the diagonal, as the CUDA-core levels do.
+        """
+        warp_i = ctid // 32
+        lane = ctid % 32
+        mma = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
+        thr = mma.get_slice(lane)
+        for lvl in cutlass.range_constexpr(2):
+            h = 16 * (lvl + 1)
+            if warp_i < (4 if lvl == 0 else 8):
+                if cutlass.const_expr(lvl == 0):
+                    pair = warp_i // 2     # block pair (b0 = 0, 32), n-tile = warp_i % 2
+                    mt = 0
+                    nt = warp_i % 2
+                else:
+                    pair = 0
+                    mt = warp_i // 4       # 2 m-tiles x 4 n-tiles
+                    nt = warp_i % 4
+                b0 = 2 * h * pair
+                b1 = b0 + h
+                y_off = pair * 16 * Y_STRIDE
+                # product 1: Y = A_10 X_00 (A: (i, s) = A[b1 + i, b0 + s]; B: (c, s) = X_00[s, c], stored at
+                # [b0 + c, b0 + s] for s > c)
+                gA = cute.make_tensor(sAkk.iterator + (b1 * AKK_STRIDE + b0),
+                                      cute.make_layout((h, h), stride=(AKK_STRIDE, 1)))
+                gB = cute.make_tensor(sAkk.iterator + (b0 * AKK_STRIDE + b0),
+                                      cute.make_layout((h, h), stride=(AKK_STRIDE, 1)))
+                y = cute.make_rmem_tensor(thr.partition_shape_C((16, 8)), Float32)
+                y.fill(0.0)
+                self.mma_tf32(mma, thr, y, gA, gB, mt, nt, h, 0, 2)
+                cc = thr.partition_C(cute.make_identity_tensor((16, 8)))
+                for e in cutlass.range_constexpr(cute.size(y)):
+                    r, c = cc[e]
+                    sY[y_off + (16 * mt + r) * Y_STRIDE + 8 * nt + c] = y[e]
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            if warp_i < (4 if lvl == 0 else 8):
+                if cutlass.const_expr(lvl == 0):
+                    pair = warp_i // 2
+                    mt = 0
+                    nt = warp_i % 2
+                else:
+                    pair = 0
+                    mt = warp_i // 4
+                    nt = warp_i % 4
+                b0 = 2 * h * pair
+                b1 = b0 + h
+                y_off = pair * 16 * Y_STRIDE
+                # product 2: Z = X_11^strict Y (A: (i, s) = X_11[i, s] at [b1 + s, b1 + i], i > s; B: (c, s) =
+                # Y[s, c] from sY)
+                gA = cute.make_tensor(sAkk.iterator + (b1 * AKK_STRIDE + b1),
+                                      cute.make_layout((h, h), stride=(1, AKK_STRIDE)))
+                gB = cute.make_tensor(sY.iterator + y_off, cute.make_layout((h, h), stride=(1, Y_STRIDE)))
+                z = cute.make_rmem_tensor(thr.partition_shape_C((16, 8)), Float32)
+                z.fill(0.0)
+                self.mma_tf32(mma, thr, z, gA, gB, mt, nt, h, 1, 0)
+                cc = thr.partition_C(cute.make_identity_tensor((16, 8)))
+                for e in cutlass.range_constexpr(cute.size(z)):
+                    r, c = cc[e]
+                    i = 16 * mt + r
+                    n = 8 * nt + c
+                    sAkk[b0 + n, b1 + i] = -(sY[y_off + i * Y_STRIDE + n] + z[e])
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            self.solve_stamp(prof, 11 + lvl)
+
+    @cute.jit
+    def mma_tf32(self, mma, thr, acc, gA, gB, mt, nt, h: int, a_mask: int, b_mask: int):
+        """acc += A B^T on one warp's 16 x 8 tile (mt, nt) with tf32 mma.sync: gA (M, K) and gB (N, K) fp32 views
+        [h, h], read per element, masked, converted by cvt.rna.tf32.f32. a_mask 1: keep A's (i, s) with i > s
+        (a strict lower triangle). b_mask 2: B's (c, s) is 1 where s == c and 0 where s < c (a unit lower
+        triangle's transpose)."""
+        tA = thr.partition_A(cute.local_tile(gA, (16, h), (mt, 0)))
+        tB = thr.partition_B(cute.local_tile(gB, (8, h), (nt, 0)))
+        cA = thr.partition_A(cute.local_tile(cute.make_identity_tensor((h, h)), (16, h), (mt, 0)))
+        cB = thr.partition_B(cute.local_tile(cute.make_identity_tensor((h, h)), (8, h), (nt, 0)))
+        rA = mma.make_fragment_A(tA)
+        rB = mma.make_fragment_B(tB)
+        iA = cute.recast_tensor(rA, Int32)
+        iB = cute.recast_tensor(rB, Int32)
+        for e in cutlass.range_constexpr(cute.size(tA)):
+            v = tA[e]
+            if cutlass.const_expr(a_mask == 1):
+                i, k = cA[e]
+                v = cutlass.select_(i > k, v, Float32(0.0))
+            iA[e] = Int32(cute.arch.cvt_f32_tf32(v))
+        for e in cutlass.range_constexpr(cute.size(tB)):
+            v = tB[e]
+            if cutlass.const_expr(b_mask == 2):
+                n, k = cB[e]
+                v = cutlass.select_(k < n, Float32(0.0), v)
+                v = cutlass.select_(k == n, Float32(1.0), v)
+            iB[e] = Int32(cute.arch.cvt_f32_tf32(v))
+        cute.gemm(mma, acc, rA, rB, acc)
 
     @cute.jit
     def solve_stamp(self, prof, idx: int):

@@ -447,25 +447,40 @@ def time_overlap():
     time_op_settings(os.environ.get("OVERLAP_OPS", "gdn,kda").split(","), cells, settings,
                      lambda: setattr(la, "OVERLAP", "auto"), model)
 
+def prep_ab(op, cells, setting, labels, chunks_per_tile=None, slots_per_sm=None):
+    """Phase 1 alone (graph replay) with the module setting `two_phase.<setting>` off, then on, per cell (the same
+    tiles when `chunks_per_tile` is given); `slots_per_sm` (off, on) adds us per chunk per CTA at that occupancy."""
+    default = getattr(two_phase, setting)
+    kda = op == "kda"
+    for B, H, T in cells:
+        x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+        line = []
+        for on in (False, True):
+            setattr(two_phase, setting, on)
+            t = graph_us(lambda: two_phase.chunk_prep(*args, kda=kda, chunks_per_tile=chunks_per_tile))
+            per = (f" ({t * 132 * slots_per_sm[on] / (B * H * -(-T // 64)):.2f} us/chunk/CTA)" if slots_per_sm
+                   else "")
+            line.append(f"{labels[on]} {t:.1f} us{per}")
+        setattr(two_phase, setting, default)
+        tiles = f" ({chunks_per_tile} chunks per tile)" if chunks_per_tile else ""
+        print(f"{op} prep B={B} H={H} T={T}{tiles}: " + " | ".join(line), flush=True)
+
+
+def op_ab(op_names, cells, setting, labels):
+    """The op beside FLA (`time_op_settings`) with the module setting `two_phase.<setting>` off, then on."""
+    default = getattr(two_phase, setting)
+    settings = [(labels[on], lambda on=on: setattr(two_phase, setting, on)) for on in (False, True)]
+    time_op_settings(op_names, cells, settings, lambda: setattr(two_phase, setting, default))
+
+
 def time_raw():
     """GDN_RAW_QK off ("gated": phase 1 writes qg, kg) and on ("raw": the state pass reads q, k): phase 1 alone
     (slim, graph replay), then the op beside FLA (`time_op_settings`). RAW_CELLS="B,H,T;..." picks the cells."""
     cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
         "RAW_CELLS", "1,4,4096;1,4,16384;1,16,2048;2,16,8192").split(";")]
-    default = two_phase.GDN_RAW_QK
-    for B, H, T in cells:
-        x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
-        args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-        line = []
-        for raw in (False, True):
-            two_phase.GDN_RAW_QK = raw
-            t = graph_us(lambda: two_phase.chunk_prep(*args, kda=False))
-            line.append(f"{'raw' if raw else 'gated'} {t:.1f} us")
-        two_phase.GDN_RAW_QK = default
-        print(f"gdn prep B={B} H={H} T={T}: " + " | ".join(line), flush=True)
-    settings = [("gated", lambda: setattr(two_phase, "GDN_RAW_QK", False)),
-                ("raw", lambda: setattr(two_phase, "GDN_RAW_QK", True))]
-    time_op_settings(["gdn"], cells, settings, lambda: setattr(two_phase, "GDN_RAW_QK", default))
+    prep_ab("gdn", cells, "GDN_RAW_QK", ("gated", "raw"))
+    op_ab(["gdn"], cells, "GDN_RAW_QK", ("gated", "raw"))
 
 
 def time_trio():
@@ -474,22 +489,8 @@ def time_trio():
     (each plans with its own slots per SM). TRIO_CELLS="B,H,T;..." picks the cells."""
     cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
         "TRIO_CELLS", "1,4,4096;1,4,16384;1,16,2048;2,16,8192;8,8,4096").split(";")]
-    default = two_phase.PREP_TRIO
-    for B, H, T in cells:
-        x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
-        args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-        line = []
-        chunks = B * H * -(-T // 64)
-        for trio in (False, True):
-            two_phase.PREP_TRIO = trio
-            t = graph_us(lambda: two_phase.chunk_prep(*args, kda=False, chunks_per_tile=2))
-            slots = 132 * (3 if trio else 2)
-            line.append(f"{'trio' if trio else 'slim'} {t:.1f} us ({t * slots / chunks:.2f} us/chunk/CTA)")
-        two_phase.PREP_TRIO = default
-        print(f"gdn prep B={B} H={H} T={T} (2 chunks per tile): " + " | ".join(line), flush=True)
-    settings = [("slim", lambda: setattr(two_phase, "PREP_TRIO", False)),
-                ("trio", lambda: setattr(two_phase, "PREP_TRIO", True))]
-    time_op_settings(["gdn"], cells, settings, lambda: setattr(two_phase, "PREP_TRIO", default))
+    prep_ab("gdn", cells, "PREP_TRIO", ("slim", "trio"), chunks_per_tile=2, slots_per_sm=(2, 3))
+    op_ab(["gdn"], cells, "PREP_TRIO", ("slim", "trio"))
 
 
 def time_solve_mma():
@@ -499,22 +500,9 @@ def time_solve_mma():
     cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
         "MMA_CELLS", "1,4,16384;2,16,8192;8,8,4096").split(";")]
     ops_ = os.environ.get("MMA_OPS", "gdn,kda").split(",")
-    default = two_phase.PREP_SOLVE_MMA
     for op in ops_:
-        kda = op == "kda"
-        for B, H, T in cells:
-            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
-            args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-            line = []
-            for mma in (False, True):
-                two_phase.PREP_SOLVE_MMA = mma
-                t = graph_us(lambda: two_phase.chunk_prep(*args, kda=kda, chunks_per_tile=2))
-                line.append(f"{'mma' if mma else 'cuda cores'} {t:.1f} us")
-            two_phase.PREP_SOLVE_MMA = default
-            print(f"{op} prep B={B} H={H} T={T} (2 chunks per tile): " + " | ".join(line), flush=True)
-    settings = [("cuda cores", lambda: setattr(two_phase, "PREP_SOLVE_MMA", False)),
-                ("mma", lambda: setattr(two_phase, "PREP_SOLVE_MMA", True))]
-    time_op_settings(ops_, cells, settings, lambda: setattr(two_phase, "PREP_SOLVE_MMA", default))
+        prep_ab(op, cells, "PREP_SOLVE_MMA", ("cuda cores", "mma"), chunks_per_tile=2)
+    op_ab(ops_, cells, "PREP_SOLVE_MMA", ("cuda cores", "mma"))
 
 
 MODES = {"solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,

@@ -1048,55 +1048,36 @@ class ChunkGatedDeltaRuleFwdSm90:
         lane = ctid % 32
         mma = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
         thr = mma.get_slice(lane)
+        cc = thr.partition_C(cute.make_identity_tensor((16, 8)))   # (row, column) of each accumulator element
         for lvl in cutlass.range_constexpr(2):
             h = 16 * (lvl + 1)
+            # this warp's tile of X_10 (both products): h = 16: block pair warp_i / 2 (b0 = 0, 32), n-tile
+            # warp_i % 2; h = 32: 2 m-tiles x 4 n-tiles
+            pair = warp_i // 2 if lvl == 0 else 0
+            mt = 0 if lvl == 0 else warp_i // 4
+            nt = warp_i % 2 if lvl == 0 else warp_i % 4
+            b0 = 2 * h * pair
+            b1 = b0 + h
+            y_off = pair * 16 * Y_STRIDE
             if warp_i < (4 if lvl == 0 else 8):
-                if cutlass.const_expr(lvl == 0):
-                    pair = warp_i // 2     # block pair (b0 = 0, 32), n-tile = warp_i % 2
-                    mt = 0
-                    nt = warp_i % 2
-                else:
-                    pair = 0
-                    mt = warp_i // 4       # 2 m-tiles x 4 n-tiles
-                    nt = warp_i % 4
-                b0 = 2 * h * pair
-                b1 = b0 + h
-                y_off = pair * 16 * Y_STRIDE
                 # product 1: Y = A_10 X_00 (A: (i, s) = A[b1 + i, b0 + s]; B: (c, s) = X_00[s, c], stored at
                 # [b0 + c, b0 + s] for s > c)
                 gA = cute.make_tensor(sAkk.iterator + (b1 * AKK_STRIDE + b0),
                                       cute.make_layout((h, h), stride=(AKK_STRIDE, 1)))
                 gB = cute.make_tensor(sAkk.iterator + (b0 * AKK_STRIDE + b0),
                                       cute.make_layout((h, h), stride=(AKK_STRIDE, 1)))
-                y = cute.make_rmem_tensor(thr.partition_shape_C((16, 8)), Float32)
-                y.fill(0.0)
-                self.mma_tf32(mma, thr, y, gA, gB, mt, nt, h, 0, 2)
-                cc = thr.partition_C(cute.make_identity_tensor((16, 8)))
+                y = self.mma_tf32(mma, thr, gA, gB, mt, nt, h, 0, 2)
                 for e in cutlass.range_constexpr(cute.size(y)):
                     r, c = cc[e]
                     sY[y_off + (16 * mt + r) * Y_STRIDE + 8 * nt + c] = y[e]
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
             if warp_i < (4 if lvl == 0 else 8):
-                if cutlass.const_expr(lvl == 0):
-                    pair = warp_i // 2
-                    mt = 0
-                    nt = warp_i % 2
-                else:
-                    pair = 0
-                    mt = warp_i // 4
-                    nt = warp_i % 4
-                b0 = 2 * h * pair
-                b1 = b0 + h
-                y_off = pair * 16 * Y_STRIDE
                 # product 2: Z = X_11^strict Y (A: (i, s) = X_11[i, s] at [b1 + s, b1 + i], i > s; B: (c, s) =
                 # Y[s, c] from sY)
                 gA = cute.make_tensor(sAkk.iterator + (b1 * AKK_STRIDE + b1),
                                       cute.make_layout((h, h), stride=(1, AKK_STRIDE)))
                 gB = cute.make_tensor(sY.iterator + y_off, cute.make_layout((h, h), stride=(1, Y_STRIDE)))
-                z = cute.make_rmem_tensor(thr.partition_shape_C((16, 8)), Float32)
-                z.fill(0.0)
-                self.mma_tf32(mma, thr, z, gA, gB, mt, nt, h, 1, 0)
-                cc = thr.partition_C(cute.make_identity_tensor((16, 8)))
+                z = self.mma_tf32(mma, thr, gA, gB, mt, nt, h, 1, 0)
                 for e in cutlass.range_constexpr(cute.size(z)):
                     r, c = cc[e]
                     i = 16 * mt + r
@@ -1106,8 +1087,8 @@ class ChunkGatedDeltaRuleFwdSm90:
             self.solve_stamp(prof, 11 + lvl)
 
     @cute.jit
-    def mma_tf32(self, mma, thr, acc, gA, gB, mt, nt, h: int, a_mask: int, b_mask: int):
-        """acc += A B^T on one warp's 16 x 8 tile (mt, nt) with tf32 mma.sync: gA (M, K) and gB (N, K) fp32 views
+    def mma_tf32(self, mma, thr, gA, gB, mt, nt, h: int, a_mask: int, b_mask: int):
+        """A B^T (fp32 accumulator, returned) on one warp's 16 x 8 tile (mt, nt) with tf32 mma.sync: gA (M, K) and gB (N, K) fp32 views
         [h, h], read per element, masked, converted by cvt.rna.tf32.f32. a_mask 1: keep A's (i, s) with i > s
         (a strict lower triangle). b_mask 2: B's (c, s) is 1 where s == c and 0 where s < c (a unit lower
         triangle's transpose)."""
@@ -1132,7 +1113,10 @@ class ChunkGatedDeltaRuleFwdSm90:
                 v = cutlass.select_(k < n, Float32(0.0), v)
                 v = cutlass.select_(k == n, Float32(1.0), v)
             iB[e] = Int32(cute.arch.cvt_f32_tf32(v))
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((16, 8)), Float32)
+        acc.fill(0.0)
         cute.gemm(mma, acc, rA, rB, acc)
+        return acc
 
     @cute.jit
     def solve_stamp(self, prof, idx: int):

@@ -123,7 +123,7 @@ GDN_RAW_QK = os.environ.get("CUTE_KERNELS_GDN_RAW_QK", "1") == "1"
 
 
 # GDN_RAW_QK's phase 1 with three CTAs per SM (`ChunkPrepSm90(trio=True)`: Akk over the dead q tile, the solve's
-# scratch over Xk, ~74 KB of shared memory, at most 72 registers per thread), for grids the two-per-SM build would
+# scratch over Xk, 75.8 KB of shared memory, at most 72 registers per thread), for grids the two-per-SM build would
 # run in more than one wave (`prep_occupancy`). H200, session 18 (`scripts/time_two_phase.py trio`): phase 1
 # 151.6 -> 132.9 us at B=2 H=16 T=8192 and 151.9 -> 132.8 at B=8 H=8 T=4096 (the op 327.5 -> 309.1, 261.3 -> 244.9);
 # in one wave it was no faster (B=1 H=4 T=4096: 13.7 vs 14.0 us). CUTE_KERNELS_PREP_TRIO=0 turns it off.
@@ -169,7 +169,8 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     to the fused kernel's switches (KDA_VEC, KDA_PREFETCH), its `row_anchors` to KDA_ROW_ANCHORS (with `vec`),
     `tma_out` to PREP_TMA_OUT (with `row_anchors`, not `publish`);
     GDN's `slim` to PREP_SLIM, `raw_qk` to `raw_qk_path` (with `slim`, not `publish`), `trio` to PREP_TRIO (with
-    `raw_qk`), `solve_mma` to PREP_SOLVE_MMA (with `slim` or `row_anchors`). `publish`: the overlapped path's build (persistent grid, per-chunk flags; see `OverlapPlan`)."""
+    `raw_qk`), `solve_mma` to PREP_SOLVE_MMA (with `slim` or `row_anchors`). `publish`: the overlapped path's build
+    (persistent grid, per-chunk flags; see `OverlapPlan`)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
     from . import linear_attention as la
 

@@ -212,8 +212,9 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
 
         self.shared_storage = TrioStorage if self.trio else SlimStorage
         self.smem_bytes = self.shared_storage.size_in_bytes()
-        per_sm = self.ctas_per_sm
-        assert (self.smem_bytes + 1024) * per_sm <= 233472, f"shared storage {self.smem_bytes} B: {per_sm} CTAs do not fit"
+        per_sm = self.ctas_per_sm   # 228 KB per SM, 1 KB of it reserved per CTA
+        assert (self.smem_bytes + 1024) * per_sm <= 233472, \
+            f"shared storage {self.smem_bytes} B: {per_sm} CTAs per SM do not fit"
 
     @cute.jit
     def set_rows_shared_storage(self):

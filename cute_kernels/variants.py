@@ -135,19 +135,21 @@ def _variants() -> list[Variant]:
         out.append(Variant(
             op, f"{tag}_chunk_prep_sm90_bfloat16",
             lambda d, kda=kda: compile_chunk_prep(torch.bfloat16, torch.bfloat16, kda, slim=False, dump_dir=d,
-                                                  pdl=True, row_anchors=kda, tma_out=kda),
+                                                  pdl=True, row_anchors=kda, tma_out=kda, solve_mma=kda),
             ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "st.global.v4",
                            "griddepcontrol.launch_dependents")
-            # KDA: the row-anchored Akk / Aqk's band products (64 x 48 and 64 x 32), terms stored by TMA
+            # KDA: the row-anchored Akk / Aqk's band products (64 x 48 and 64 x 32), terms stored by TMA, the solve's
+            # doubling levels as tf32 mma.sync products
             + (("wgmma.mma_async.sync.aligned.m64n48k16", "cp.async.bulk.tensor.3d.global.shared::cta",
-                "cp.async.bulk.wait_group.read") if kda else ()),
+                "cp.async.bulk.wait_group.read", "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
+                "cvt.rna.tf32.f32") if kda else ()),
             archs=("sm_90a",),
         ))
         if not kda:   # GDN's slim phase 1: two CTAs per SM, 288 threads, no register reallocation; raw: without
             # the gated q / k copies (GDN_RAW_QK, the default), the per-token factors in one 16-byte store per row
             # (trio: that build with three CTAs per SM, PREP_TRIO; mma: its solve's doubling levels as tf32
-            # mma.sync products, PREP_SOLVE_MMA)
-            for raw, trio, mma in ((False, False, False), (True, False, False), (True, True, False),
+            # mma.sync products, PREP_SOLVE_MMA, the default; one trio build without it)
+            for raw, trio, mma in ((False, False, True), (True, False, True), (True, True, False),
                                    (True, True, True)):
                 out.append(Variant(
                     op, f"{tag}_chunk_prep_sm90_bfloat16_slim" + ("_raw" if raw else "") + ("_trio" if trio else "")
@@ -164,11 +166,12 @@ def _variants() -> list[Variant]:
         else:   # KDA's phase 1 builds with the row-anchored Akk / Aqk by default (m64n48 / n32 band products);
             # still selectable: the column form (CUTE_KERNELS_KDA_ROW_ANCHORS=0) and the row-anchored build with
             # its terms stored by threads (CUTE_KERNELS_PREP_TMA_OUT=0)
-            # and the row-anchored build with its solve's doubling levels as tf32 mma.sync products (PREP_SOLVE_MMA)
+            # and the row-anchored build with its solve's doubling levels on the CUDA cores (PREP_SOLVE_MMA=0; the
+            # default build has them as tf32 mma.sync products)
             mma = ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32")
             for suffix, switch, extra in (("columns", {"row_anchors": False}, ()),
-                                          ("thread_out", {"tma_out": False}, ()),
-                                          ("mma", {"solve_mma": True}, mma)):
+                                          ("thread_out", {"tma_out": False, "solve_mma": True}, mma),
+                                          ("cuda_solve", {"solve_mma": False}, ())):
                 out.append(Variant(
                     op, f"{tag}_chunk_prep_sm90_bfloat16_{suffix}",
                     lambda d, switch=switch: compile_chunk_prep(torch.bfloat16, torch.bfloat16, True, dump_dir=d,
@@ -176,8 +179,9 @@ def _variants() -> list[Variant]:
                     ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4") + extra,
                     archs=("sm_90a",),
                 ))
-        # The overlapped path: phase 1 publishing per-chunk flags (GDN's build) and the state pass waiting on them
-        # (KDA's build); the flag code is the same for both ops, so one build of each side checks it.
+        # The overlapped path: phase 1 publishing per-chunk flags (GDN's builds) and the state pass waiting on them
+        # (KDA's gated build, GDN's raw one); the flag code is the same for both ops. GDN's raw overlapped path
+        # (OVERLAP_RAW): phase 1's raw build with three CTAs per SM, the raw state pass with three ring stages.
         if not kda:
             out.append(Variant(
                 op, f"{tag}_chunk_prep_sm90_bfloat16_publish",
@@ -185,6 +189,24 @@ def _variants() -> list[Variant]:
                                              pdl=True, publish=True),
                 ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "fence.acq_rel.gpu",
                                "atom.global.release.add"),
+                archs=("sm_90a",),
+            ))
+            out.append(Variant(
+                op, f"{tag}_chunk_prep_sm90_bfloat16_slim_raw_trio_publish",
+                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=True, dump_dir=d,
+                                             pdl=True, publish=True, raw_qk=True, trio=True, solve_mma=True),
+                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "fence.acq_rel.gpu",
+                               "atom.global.release.add", ".minnctapersm 3", ".reqntid 288",
+                               "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
+                archs=("sm_90a",),
+            ))
+            out.append(Variant(
+                op, f"{tag}_state_pass_sm90_bfloat16_rs_raw_consume",
+                lambda d: compile_state_pass(torch.bfloat16, False, True, True, dump_dir=d, consume=True,
+                                             raw_qk=True, rs=True, ring_decay=True, num_stages=3, pair=False,
+                                             tma_o=False, u_fast=False, pdl=True),
+                ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
+                               "atom.global.acquire.add", "fence.proxy.async.global", "ld.global.v4.b32"),
                 archs=("sm_90a",),
             ))
         else:

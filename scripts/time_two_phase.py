@@ -441,11 +441,19 @@ def time_overlap():
 
     cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
         "OVERLAP_CELLS", "1,16,2048;1,16,4096;1,16,8192;2,8,4096;1,8,8192;4,4,8192").split(";")]
-    settings = [("plain", lambda: setattr(la, "OVERLAP", "0")), ("overlap", lambda: setattr(la, "OVERLAP", "1"))]
+    raw_default = two_phase.OVERLAP_RAW
+
+    def setting(overlap, raw):
+        la.OVERLAP, two_phase.OVERLAP_RAW = overlap, raw
+
+    # GDN's overlapped path in both builds (OVERLAP_RAW: raw kernels, phase 1 three CTAs per SM; else gated)
+    settings = [("plain", lambda: setting("0", raw_default)), ("overlap", lambda: setting("1", raw_default))]
+    if raw_default:
+        settings.append(("overlap gated", lambda: setting("1", False)))
     model = lambda op, B, H, T: (   # noqa: E731
         f"model overlap {two_phase.predicted_overlap_us(Problem.fixed(B, T, H), op == 'kda', 132):.0f} us")
     time_op_settings(os.environ.get("OVERLAP_OPS", "gdn,kda").split(","), cells, settings,
-                     lambda: setattr(la, "OVERLAP", "auto"), model)
+                     lambda: setting("auto", raw_default), model)
 
 def prep_ab(op, cells, setting, labels, chunks_per_tile=None, slots_per_sm=None):
     """Phase 1 alone (graph replay) with the module setting `two_phase.<setting>` off, then on, per cell (the same

@@ -189,18 +189,24 @@ def test_two_phase_matches_reference(kda, B, T, H, with_init, N, variant, monkey
 
 
 @requires_sm90
-@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("kda,raw", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("B,T,H,with_init", [(1, 4096, 4, False), (2, 1000, 3, True), (1, 2048, 16, True),
                                              (4, 640, 8, False)])
-def test_overlapped_path_matches_reference(kda, B, T, H, with_init, monkeypatch):
-    """The overlapped path (phase 1 publishing per chunk on a side stream, the state pass consuming it at once):
-    NaN-poisoned terms, float64 reference, bitwise equal to itself and to the plain two-phase path (same math,
-    only the timing differs), every flag back at 0. The overlapped path runs the gated kernels (phase 1 writes qg
-    and kg), so the plain GDN path runs them too here (GDN_RAW_QK off): the raw ones round differently."""
+def test_overlapped_path_matches_reference(kda, raw, B, T, H, with_init, monkeypatch):
+    """The overlapped path (phase 1 publishing per chunk on a side stream, the state pass consuming it at once;
+    `raw`: GDN's raw build, state pass launched first from the second call on): NaN-poisoned terms, float64
+    reference, bitwise equal to itself and to the plain two-phase path (same math, only the timing differs), every
+    flag back at 0. The plain path runs the same arithmetic here: for the gated builds GDN_RAW_QK off (the raw
+    kernels round differently), PREP_TMA_OUT off (KDA's TMA stores keep q scaled in bf16, the thread stores scale
+    in fp32) and PREP_SOLVE_MMA off (GDN's gated publish build is not slim, so it has no tf32 solve)."""
     import cute_kernels.ops.linear_attention as la
 
     monkeypatch.setattr(two_phase, "_POISON_PREP", True)
-    monkeypatch.setattr(two_phase, "GDN_RAW_QK", False)
+    monkeypatch.setattr(two_phase, "OVERLAP_RAW", raw)
+    monkeypatch.setattr(two_phase, "GDN_RAW_QK", raw)
+    monkeypatch.setattr(two_phase, "PREP_TMA_OUT", False)
+    if not raw:
+        monkeypatch.setattr(two_phase, "PREP_SOLVE_MMA", False)
     gen = torch.Generator().manual_seed(300 + B * T + H + kda)
     q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
     init = init if with_init else None
@@ -208,7 +214,7 @@ def test_overlapped_path_matches_reference(kda, B, T, H, with_init, monkeypatch)
     op = la.chunk_kda if kda else la.chunk_gated_delta_rule
     monkeypatch.setattr(la, "TWO_PHASE", "1")
     runs = []
-    for overlap in ("1", "1", "0"):
+    for overlap in ("1", "1", "1", "0"):   # raw: the first call launches phase 1 first, the later ones go second
         monkeypatch.setattr(la, "OVERLAP", overlap)
         o = poisoned(v.shape, v.dtype, "cuda")
         s = poisoned((B, H, 128, 128), torch.float32, "cuda")
@@ -216,9 +222,10 @@ def test_overlapped_path_matches_reference(kda, B, T, H, with_init, monkeypatch)
         assert ("overlapped" in la.last_plan()) == (overlap == "1"), la.last_plan()
         runs.append((o, s))
     torch.cuda.synchronize()
-    (o, s), (o2, s2), (o3, s3) = runs
+    (o, s), (o1, s1), (o2, s2), (o3, s3) = runs
     assert not o.isnan().any() and not s.isnan().any()
-    assert torch.equal(o, o2) and torch.equal(s, s2), "run-to-run difference"
+    assert torch.equal(o, o1) and torch.equal(s, s1) and torch.equal(o, o2) and torch.equal(s, s2), \
+        "run-to-run difference"
     assert torch.equal(o, o3) and torch.equal(s, s3), "overlapped and plain two-phase paths differ"
     assert rel_err(o, want_o) <= 5e-3 and rel_err(s, want_s) <= 5e-3, (rel_err(o, want_o), rel_err(s, want_s))
     plan = two_phase.overlap_plan(B, T, H, kda, q.dtype, beta.dtype, with_init, True, q.device,

@@ -349,7 +349,7 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
         return None
     key = (mode, scheduler if mode == "1" else None, B, T, H, cu, kda, init, AUTO_SEGMENTS, device,
            _two_phase_module().state_pair(), _merge.AFFINE_MERGE_IMPL, OVERLAP, _two_phase_module().KDA_ROW_ANCHORS,
-           _two_phase_module().GDN_RAW_QK, _two_phase_module().PREP_TRIO)
+           _two_phase_module().GDN_RAW_QK, _two_phase_module().PREP_TRIO, _two_phase_module().OVERLAP_RAW)
     choice = _two_phase_plans.get(key)
     if choice is None:
         from schedulers import Problem, SegmentScheduler, segmented_cost_us

@@ -130,9 +130,11 @@ GDN_RAW_QK = os.environ.get("CUTE_KERNELS_GDN_RAW_QK", "1") == "1"
 PREP_TRIO = os.environ.get("CUTE_KERNELS_PREP_TRIO", "1") == "1"
 
 # Phase 1's solve with its doubling levels as tf32 tensor-core products (`ChunkPrepSm90(solve_mma=True)`: warp-level
-# mma.sync, operands rounded to nearest; GDN's slim / trio and KDA's row-anchored builds). Off until measured on the
-# GPU (written in session 18 after its device time was spent). CUTE_KERNELS_PREP_SOLVE_MMA=1 turns it on.
-PREP_SOLVE_MMA = os.environ.get("CUTE_KERNELS_PREP_SOLVE_MMA", "0") == "1"
+# mma.sync, operands rounded to nearest; GDN's slim / trio and KDA's row-anchored builds). H200, session 19
+# (`scripts/time_two_phase.py solve-mma`, 2 chunks per tile): GDN phase 1 134.9 -> 124.5 us at B=2 H=16 T=8192 and
+# 136.2 -> 125.3 at B=8 H=8 T=4096 (the op 312.9 -> 301.0, 247.6 -> 234.5); KDA phase 1 366.3 -> 357.9; one wave
+# (B=1 H=4 T=16384) 46.2 -> 45.5. CUTE_KERNELS_PREP_SOLVE_MMA=0: the CUDA-core levels.
+PREP_SOLVE_MMA = os.environ.get("CUTE_KERNELS_PREP_SOLVE_MMA", "1") == "1"
 
 
 def raw_qk_path(kda: bool) -> bool:
@@ -168,9 +170,9 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
     to the fused kernel's switches (KDA_VEC, KDA_PREFETCH), its `row_anchors` to KDA_ROW_ANCHORS (with `vec`),
     `tma_out` to PREP_TMA_OUT (with `row_anchors`, not `publish`);
-    GDN's `slim` to PREP_SLIM, `raw_qk` to `raw_qk_path` (with `slim`, not `publish`), `trio` to PREP_TRIO (with
-    `raw_qk`), `solve_mma` to PREP_SOLVE_MMA (with `slim` or `row_anchors`). `publish`: the overlapped path's build
-    (persistent grid, per-chunk flags; see `OverlapPlan`)."""
+    GDN's `slim` to PREP_SLIM, `raw_qk` to `raw_qk_path` (with `slim`; not by default with `publish`), `trio` to
+    PREP_TRIO (with `raw_qk`; not by default with `publish`), `solve_mma` to PREP_SOLVE_MMA (with `slim` or
+    `row_anchors`). `publish`: the overlapped path's build (persistent grid, per-chunk flags; see `OverlapPlan`)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
     from . import linear_attention as la
 
@@ -180,8 +182,8 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     pdl = PDL if pdl is None else pdl
     row_anchors = vec and (KDA_ROW_ANCHORS if row_anchors is None else row_anchors)
     tma_out = row_anchors and not publish and (PREP_TMA_OUT if tma_out is None else tma_out)
-    raw_qk = slim and not publish and (raw_qk_path(kda) if raw_qk is None else raw_qk)
-    trio = raw_qk and (PREP_TRIO if trio is None else trio)
+    raw_qk = slim and ((raw_qk_path(kda) and not publish) if raw_qk is None else raw_qk)
+    trio = raw_qk and ((PREP_TRIO and not publish) if trio is None else trio)
     solve_mma = (slim or row_anchors) and (PREP_SOLVE_MMA if solve_mma is None else solve_mma)
     key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, pdl, publish,
            row_anchors, tma_out, raw_qk, trio, solve_mma)
@@ -282,9 +284,10 @@ _plans: dict = {}
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
     PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, PREP_SOLVE_MMA, the STATE_* switches of the state pass, the affine-merge
-    variant setting)."""
-    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, PREP_SOLVE_MMA, STATE_PASS_RS,
-            STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL, _merge.AFFINE_MERGE_IMPL)
+    variant setting, OVERLAP_RAW)."""
+    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, PREP_SOLVE_MMA, OVERLAP_RAW,
+            STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL,
+            _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:
@@ -606,26 +609,38 @@ def state_plan(B, T, H, cu, kda, io, init, final, num_segments, device, raw: boo
 class OverlapPlan:
     """The overlapped two-phase forward (fixed-length batches, one segment per sequence), built once.
 
-    Phase 1 (`ChunkPrepSm90` with `publish`, one CTA per SM: persistent on `sms - state CTAs` CTAs, one chunk
-    per tile (the persistent CTA's load ring runs ahead across tiles), tiles ordered chunk-major so every
-    (sequence, head)'s earliest chunks come first) runs on a side
-    stream and is launched first; the state pass (`consume`, one CTA per (sequence, head, 64 V columns)) runs on
-    the caller's stream on the SMs phase 1 leaves free, each chunk as soon as phase 1 has published it. The call
-    then takes about max(phase 1 on fewer SMs, the state chain) instead of their sum. The caller's stream waits
-    for the side stream at the end (and the side stream for the caller's work before phase 1), so the call is
-    ordered like any other. Flags: int32 per (sequence, chunk, head), 0 between calls (each of the V / 64
-    state CTAs of a head takes one count back); one set per plan, so a plan must not run on two streams at once.
+    Phase 1 (`ChunkPrepSm90` with `publish`: persistent, one chunk per tile (the persistent CTA's load ring runs
+    ahead across tiles), tiles ordered chunk-major so every (sequence, head)'s earliest chunks come first) runs on
+    a side stream; the state pass (`consume`, one CTA per (sequence, head, 64 V columns)) runs on the caller's
+    stream on other SMs, each chunk as soon as phase 1 has published it. The call then takes about max(phase 1 on
+    fewer SMs, the state chain) instead of their sum. The side stream waits for the caller's work before either
+    kernel, and the caller's stream for the side stream at the end, so the call is ordered like any other.
+    Flags: int32 per (sequence, chunk, head), 0 between calls (each of the V / 64 state CTAs of a head takes one
+    count back); one set per plan, so a plan must not run on two streams at once.
 
-    Deadlock freedom: phase 1 never waits on the state pass and is enqueued first; the state pass grid is kept
-    below the SM count (`overlap_fits`), so phase 1 always has SMs to finish on.
+    Two builds:
+    - gated (KDA; GDN with OVERLAP_RAW off): phase 1 with one CTA per SM on `sms - state CTAs` CTAs, launched
+      first: the state CTAs then find the SMs it leaves free.
+    - raw (GDN with OVERLAP_RAW and GDN_RAW_QK): phase 1's raw build with three CTAs per SM (`raw_qk`, `trio`) on
+      3 x (sms - state CTAs) CTAs, the state pass's raw build with three ring stages (its shared memory then
+      leaves no room for a phase-1 CTA beside it). Phase 1's grid would take every SM if it came first, so the
+      state pass is launched first: its CTAs take one SM each, and phase 1 fills the others.
+
+    Deadlock freedom: phase 1 never waits on the state pass, and the state grid stays at or below half the SMs
+    (`overlap_fits`), so phase 1 always has SMs to run on. One more condition when the state pass goes first:
+    phase 1 must be able to launch while the state grid spins. Under CUDA's lazy module loading, a kernel's first
+    launch may wait for the context to go idle -- which a spinning state grid never does -- so the raw build's
+    first call (and any call captured into a graph before an eager one) launches phase 1 first; only after an
+    eager call has loaded both kernels does the state pass go first.
     """
 
     def __init__(self, B, T, H, kda, io, beta_dtype, init, final, device, sms):
         from schedulers import Schedule, Segmentation, schedule_from_segmentation, split_even
 
         if not overlap_fits(B, H, sms):
-            raise ValueError(f"overlapped path: {2 * B * H} state CTAs need fewer than {sms} SMs")
+            raise ValueError(f"overlapped path: {2 * B * H} state CTAs need at most half of the {sms} SMs")
         self.shape, self.kda, self.device = (B, T, H), kda, device
+        self.raw = overlap_raw(kda)
         problem = _problem(B, T, H, None)
         self.chunks_per_seq = problem.chunks[0]
         state = schedule_from_segmentation(_problem(B, T, H, None, num_blocks=2),
@@ -633,33 +648,56 @@ class OverlapPlan:
         prep_seg = Segmentation([split_even(c, c) for c in problem.chunks])   # one chunk per tile
         tiles = schedule_from_segmentation(problem, prep_seg, "prep").tiles
         tiles = sorted(tiles, key=lambda t: (t.chunk_start, t.seq, t.head))   # chunk-major
-        ctas = max(1, min(len(tiles), sms - state.num_tiles))
+        per_sm = 3 if self.raw else 1
+        ctas = max(1, min(len(tiles), per_sm * (sms - state.num_tiles)))
         prep = Schedule(tiles, (ctas, 1, 1), True, prep_seg, "prep-overlap")
         self.flags = torch.zeros(B * self.chunks_per_seq * H, dtype=torch.int32, device=device)
-        self.prep_fn = compile_chunk_prep(io, beta_dtype, kda, slim=False, publish=True).fn
+        if self.raw:
+            self.prep_fn = compile_chunk_prep(io, beta_dtype, kda, slim=True, publish=True, raw_qk=True,
+                                              trio=True).fn
+            self.state_fn = compile_state_pass(io, kda, init, final, consume=True, raw_qk=True, rs=True,
+                                               ring_decay=True, num_stages=3, pair=False).fn
+        else:
+            self.prep_fn = compile_chunk_prep(io, beta_dtype, kda, slim=False, publish=True).fn
+            self.state_fn = compile_state_pass(io, kda, init, final, consume=True).fn
         self.prep_launch = (prep.table_on(device), prep.num_tiles, ctas)
-        self.state_fn = compile_state_pass(io, kda, init, final, consume=True).fn
         self.state_launch = (state.table_on(device), state.num_tiles, state.grid[0], self.flags, self.chunks_per_seq)
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
         self.init = init
         self.prep_ctas, self.state_ctas = ctas, state.num_tiles
+        self.loaded = False   # raw: whether an eager call has launched both kernels (see the class docstring)
 
     def run(self, q, k, v, g32, beta, scale: float, initial_state, o, final):
         """The call: fresh terms (the caching allocator keeps them alive past the side stream's use: the caller's
         stream waits for it before anything can reuse them), phase 1 on the side stream, the state pass here."""
         dummy = final if final is not None else self.dummy
-        t = allocate_terms(*self.shape, self.kda, q.dtype, self.device)
+        t = allocate_terms(*self.shape, self.kda, q.dtype, self.device, self.raw)
+        if self.raw:   # the state pass reads q and k themselves
+            t = PrepTerms(q, t.w, t.u, k, t.aqk, t.eg, t.kda, True)
         if _POISON_PREP:   # tests: every element the state pass reads must have been written (and published)
-            for x in (t.qg, t.w, t.u, t.kg, t.aqk, t.eg):
+            for x in (t.w, t.u, t.aqk, t.eg) + (() if self.raw else (t.qg, t.kg)):
                 x.fill_(float("nan"))
         main = torch.cuda.current_stream(self.device)
         side = _side_stream(self.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            self.prep_fn(q, k, v, g32, beta, t.qg, t.w, t.u, t.kg, t.aqk, t.eg, *self.prep_launch, scale,
-                         self.flags, self.chunks_per_seq, 2)
-        self.state_fn(t.qg, t.w, t.u, t.kg, t.aqk, t.eg, o, initial_state if self.init else dummy, dummy,
-                      *self.state_launch)
+        side.wait_stream(main)   # before the state pass is enqueued: phase 1 must never wait for it
+
+        def prep():
+            with torch.cuda.stream(side):
+                self.prep_fn(q, k, v, g32, beta, t.qg, t.w, t.u, t.kg, t.aqk, t.eg, *self.prep_launch, scale,
+                             self.flags, self.chunks_per_seq, 2)
+
+        def state():
+            self.state_fn(t.qg, t.w, t.u, t.kg, t.aqk, t.eg, o, initial_state if self.init else dummy, dummy,
+                          *self.state_launch)
+
+        if self.raw and self.loaded:
+            state()
+            prep()
+        else:
+            prep()
+            state()
+            if self.raw and not torch.cuda.is_current_stream_capturing():
+                self.loaded = True
         main.wait_stream(side)
         return o, final
 
@@ -673,6 +711,16 @@ def _side_stream(device):
     if key not in _side_streams:
         _side_streams[key] = torch.cuda.Stream(device)
     return _side_streams[key]
+
+
+# GDN's overlapped path with the raw kernels (phase 1 three CTAs per SM, see `OverlapPlan`), where GDN_RAW_QK is
+# on. CUTE_KERNELS_OVERLAP_RAW=0: the gated kernels (phase 1 one CTA per SM).
+OVERLAP_RAW = os.environ.get("CUTE_KERNELS_OVERLAP_RAW", "1") == "1"
+
+
+def overlap_raw(kda: bool) -> bool:
+    """Whether the overlapped path runs the raw kernels (GDN, OVERLAP_RAW, GDN_RAW_QK)."""
+    return not kda and OVERLAP_RAW and GDN_RAW_QK
 
 
 def overlap_fits(B: int, H: int, sms: int) -> bool:
@@ -692,18 +740,28 @@ def overlap_plan(B, T, H, kda, io, beta_dtype, init, final, device, sms) -> Over
 # (e.g. KDA B=1 H=16 T=4096: 190.7 predicted, 190.8 measured; GDN T=2048: 70.4 vs 68.6).
 OVERLAP_PREP_CHUNK_US = {False: 10.4, True: 16.8}
 OVERLAP_CHAIN_CHUNK_US = {False: 1.75, True: 1.85}
+# The raw build (OVERLAP_RAW, session 19): phase 1 per chunk per CTA with three CTAs per SM beside the state pass,
+# and the raw state chain (~4% more per chunk than the gated one alone). First estimates (PREP_TRIO_CHUNK_US, the
+# gated path's +11% beside the state pass and its 1.75 us chain); see NOTES.md for the measurement.
+OVERLAP_RAW_PREP_CHUNK_US = 14.0
+OVERLAP_RAW_CHAIN_CHUNK_US = 1.82
 
 
 def predicted_overlap_us(problem, kda: bool, slots: int) -> float:
     """Predicted GPU time of the overlapped path (fixed length, one segment): phase 1's one-chunk tiles on the
-    SMs the state CTAs leave (one CTA per SM), and the state chain, which can start a chunk only once phase 1
-    has published it: max(phase 1 + the last chunk's chain step, first chunk + chain), per-chunk costs as
-    measured with both running (`prep_chunk_us(overlapped=True)`, OVERLAP_CHAIN_CHUNK_US)."""
+    SMs the state CTAs leave (one CTA per SM; the raw build three), and the state chain, which can start a chunk
+    only once phase 1 has published it: max(phase 1 + the last chunk's chain step, first chunk + chain),
+    per-chunk costs as measured with both running (`prep_chunk_us(overlapped=True)`, OVERLAP_CHAIN_CHUNK_US; the
+    raw build's OVERLAP_RAW_*)."""
     from schedulers.heuristics import makespan
 
     H = problem.num_heads
-    free = max(1, slots - 2 * problem.num_seqs * H)
-    prep_us, chunk_us = prep_chunk_us(kda, overlapped=True), OVERLAP_CHAIN_CHUNK_US[kda]
+    raw = overlap_raw(kda)
+    free = max(1, slots - 2 * problem.num_seqs * H) * (3 if raw else 1)
+    if raw:
+        prep_us, chunk_us = OVERLAP_RAW_PREP_CHUNK_US, OVERLAP_RAW_CHAIN_CHUNK_US
+    else:
+        prep_us, chunk_us = prep_chunk_us(kda, overlapped=True), OVERLAP_CHAIN_CHUNK_US[kda]
     t_prep = makespan([1] * (sum(problem.chunks) * H), free) * prep_us
     t_chain = max(problem.chunks) * chunk_us
     return max(t_prep + chunk_us, prep_us + t_chain) + 2 * LAUNCH_US

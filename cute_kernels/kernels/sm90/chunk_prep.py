@@ -103,8 +103,8 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         if raw_qk and not slim:
             raise ValueError("ChunkPrepSm90: raw_qk is the slim (GDN) build's")
         self.raw_qk = raw_qk
-        if trio and not (raw_qk and not publish):
-            raise ValueError("ChunkPrepSm90: trio (three CTAs per SM) is the raw_qk build's, without publish")
+        if trio and not raw_qk:
+            raise ValueError("ChunkPrepSm90: trio (three CTAs per SM) is the raw_qk build's")
         self.trio = trio
         if solve_mma and not (slim or row_anchors):
             raise ValueError("ChunkPrepSm90: solve_mma is the slim (GDN) and row-anchored (KDA) builds' option")

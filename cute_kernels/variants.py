@@ -194,9 +194,10 @@ def _variants() -> list[Variant]:
             out.append(Variant(
                 op, f"{tag}_chunk_prep_sm90_bfloat16_slim_raw_trio_publish",
                 lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=True, dump_dir=d,
-                                             pdl=True, publish=True, raw_qk=True, trio=True, solve_mma=True),
+                                             pdl=True, publish=True, raw_qk=True, trio=True, solve_mma=True,
+                                             secondary=True),
                 ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "fence.acq_rel.gpu",
-                               "atom.global.release.add", ".minnctapersm 3", ".reqntid 288",
+                               "atom.global.release.add", ".minnctapersm 3", ".reqntid 288", "griddepcontrol.wait",
                                "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
                 archs=("sm_90a",),
             ))

@@ -166,13 +166,14 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
                        prefetch: bool | None = None, slim: bool | None = None, dump_dir=None,
                        profile: bool = False, pdl: bool | None = None, publish: bool = False,
                        row_anchors: bool | None = None, tma_out: bool | None = None, raw_qk: bool | None = None,
-                       trio: bool | None = None, solve_mma: bool | None = None):
+                       trio: bool | None = None, solve_mma: bool | None = None, secondary: bool = False):
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
     to the fused kernel's switches (KDA_VEC, KDA_PREFETCH), its `row_anchors` to KDA_ROW_ANCHORS (with `vec`),
     `tma_out` to PREP_TMA_OUT (with `row_anchors`, not `publish`);
     GDN's `slim` to PREP_SLIM, `raw_qk` to `raw_qk_path` (with `slim`; not by default with `publish`), `trio` to
     PREP_TRIO (with `raw_qk`; not by default with `publish`), `solve_mma` to PREP_SOLVE_MMA (with `slim` or
-    `row_anchors`). `publish`: the overlapped path's build (persistent grid, per-chunk flags; see `OverlapPlan`)."""
+    `row_anchors`). `publish`: the overlapped path's build (persistent grid, per-chunk flags; see `OverlapPlan`);
+    `secondary`: launched as the state pass's programmatic dependent (GDN's raw overlapped path)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
     from . import linear_attention as la
 
@@ -186,7 +187,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     trio = raw_qk and ((PREP_TRIO and not publish) if trio is None else trio)
     solve_mma = (slim or row_anchors) and (PREP_SOLVE_MMA if solve_mma is None else solve_mma)
     key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, pdl, publish,
-           row_anchors, tma_out, raw_qk, trio, solve_mma)
+           row_anchors, tma_out, raw_qk, trio, solve_mma, secondary)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -199,7 +200,8 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
         io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
         kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch, slim=slim,
                                profile=profile, pdl=pdl, publish=publish, row_anchors=row_anchors,
-                               tma_out=tma_out, raw_qk=raw_qk, trio=trio, solve_mma=solve_mma)
+                               tma_out=tma_out, raw_qk=raw_qk, trio=trio, solve_mma=solve_mma,
+                               secondary=secondary)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         # KDA's g: 16-byte aligned (the ops check it; row_anchors prefetches it in 16-byte vectors)
         gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN),   # noqa: E731
@@ -623,15 +625,19 @@ class OverlapPlan:
       first: the state CTAs then find the SMs it leaves free.
     - raw (GDN with OVERLAP_RAW and GDN_RAW_QK): phase 1's raw build with three CTAs per SM (`raw_qk`, `trio`) on
       3 x (sms - state CTAs) CTAs, the state pass's raw build with three ring stages (its shared memory then
-      leaves no room for a phase-1 CTA beside it). Phase 1's grid would take every SM if it came first, so the
-      state pass is launched first: its CTAs take one SM each, and phase 1 fills the others.
+      leaves no room for a phase-1 CTA beside it). Phase 1's grid would spread over every SM if it came first
+      (leaving the state CTAs no SM until it ends), so the state pass goes first, on the caller's stream, and
+      phase 1 follows on the same stream as its programmatic dependent (`ChunkPrepSm90(secondary=True)`): it
+      starts once every state CTA holds its SM, fills the others, and ends only after the state pass. The order
+      is then the same eagerly and in a CUDA graph (two streams would leave a graph free to start either first).
 
-    Deadlock freedom: phase 1 never waits on the state pass, and the state grid stays at or below half the SMs
-    (`overlap_fits`), so phase 1 always has SMs to run on. One more condition when the state pass goes first:
-    phase 1 must be able to launch while the state grid spins. Under CUDA's lazy module loading, a kernel's first
-    launch may wait for the context to go idle -- which a spinning state grid never does -- so the raw build's
-    first call (and any call captured into a graph before an eager one) launches phase 1 first; only after an
-    eager call has loaded both kernels does the state pass go first.
+    Deadlock freedom: phase 1 never waits on the state pass before its end, and the state grid stays at or
+    below half the SMs (`overlap_fits`), so every state CTA becomes resident and phase 1 always has SMs to run
+    on. One more condition for the raw order: phase 1 must be able to launch while the state grid spins. Under
+    CUDA's lazy module loading a kernel's first launch may wait for the context to go idle -- which a spinning
+    state grid never does -- so the raw build's first call (and any call captured into a graph before an eager
+    one) runs the gated order (phase 1 first, on the side stream); only after an eager call has loaded both
+    kernels does the state pass go first.
     """
 
     def __init__(self, B, T, H, kda, io, beta_dtype, init, final, device, sms):
@@ -654,9 +660,10 @@ class OverlapPlan:
         self.flags = torch.zeros(B * self.chunks_per_seq * H, dtype=torch.int32, device=device)
         if self.raw:
             self.prep_fn = compile_chunk_prep(io, beta_dtype, kda, slim=True, publish=True, raw_qk=True,
-                                              trio=True).fn
+                                              trio=True, secondary=True).fn
+            # pdl: its CTAs signal launch_dependents, which is what lets phase 1 start at all
             self.state_fn = compile_state_pass(io, kda, init, final, consume=True, raw_qk=True, rs=True,
-                                               ring_decay=True, num_stages=3, pair=False).fn
+                                               ring_decay=True, num_stages=3, pair=False, pdl=True).fn
         else:
             self.prep_fn = compile_chunk_prep(io, beta_dtype, kda, slim=False, publish=True).fn
             self.state_fn = compile_state_pass(io, kda, init, final, consume=True).fn
@@ -677,28 +684,23 @@ class OverlapPlan:
         if _POISON_PREP:   # tests: every element the state pass reads must have been written (and published)
             for x in (t.w, t.u, t.aqk, t.eg) + (() if self.raw else (t.qg, t.kg)):
                 x.fill_(float("nan"))
+        prep = lambda: self.prep_fn(q, k, v, g32, beta, t.qg, t.w, t.u, t.kg, t.aqk, t.eg,   # noqa: E731
+                                    *self.prep_launch, scale, self.flags, self.chunks_per_seq, 2)
+        state = lambda: self.state_fn(t.qg, t.w, t.u, t.kg, t.aqk, t.eg, o,   # noqa: E731
+                                      initial_state if self.init else dummy, dummy, *self.state_launch)
+        if self.raw and self.loaded:   # one stream: the state pass, then phase 1 as its programmatic dependent
+            state()
+            prep()
+            return o, final
         main = torch.cuda.current_stream(self.device)
         side = _side_stream(self.device)
-        side.wait_stream(main)   # before the state pass is enqueued: phase 1 must never wait for it
-
-        def prep():
-            with torch.cuda.stream(side):
-                self.prep_fn(q, k, v, g32, beta, t.qg, t.w, t.u, t.kg, t.aqk, t.eg, *self.prep_launch, scale,
-                             self.flags, self.chunks_per_seq, 2)
-
-        def state():
-            self.state_fn(t.qg, t.w, t.u, t.kg, t.aqk, t.eg, o, initial_state if self.init else dummy, dummy,
-                          *self.state_launch)
-
-        if self.raw and self.loaded:
-            state()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
             prep()
-        else:
-            prep()
-            state()
-            if self.raw and not torch.cuda.is_current_stream_capturing():
-                self.loaded = True
+        state()
         main.wait_stream(side)
+        if self.raw and not torch.cuda.is_current_stream_capturing():
+            self.loaded = True
         return o, final
 
 

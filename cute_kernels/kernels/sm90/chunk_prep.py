@@ -59,6 +59,14 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     chunk, each of which takes one back after its acquire -- so every flag is 0 again when the call ends).
     This grid never waits on anything, so the state pass spinning on the flags cannot deadlock it.
 
+    `secondary` (with `publish`; GDN's raw overlapped path): launched on the state pass's stream right after it,
+    as its programmatic dependent (`use_pdl`): the grid starts once every state CTA has passed its
+    `griddepcontrol.wait` (so the stream's earlier kernels are complete) and signalled
+    `griddepcontrol.launch_dependents` (so the state CTAs hold their SMs first, and this grid fills the others).
+    It does not wait at its start (the state pass waits for it, through the flags); every thread runs
+    `griddepcontrol.wait` at its end instead, so this grid completes only after the state pass: the stream's
+    later kernels then find both complete.
+
     `row_anchors` (KDA, with `vec_elementwise`): the fast path's Akk / Aqk in the row-anchored form
     (`cute_kernels/reference/kda_intra.py`, form "rows"): one 16-byte-vector pass over the chunk forms the left
     factors of k and q (anchored at each row's own 16-row block), the right factors of the four block bands
@@ -89,7 +97,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
                  prefetch_gates: bool = False, slim: bool = False, profile: bool = False, pdl: bool = False,
                  publish: bool = False, row_anchors: bool = False, tma_out: bool = False, raw_qk: bool = False,
-                 trio: bool = False, solve_mma: bool = False):
+                 trio: bool = False, solve_mma: bool = False, secondary: bool = False):
         super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
                          vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
         if slim and kda:
@@ -117,6 +125,9 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         self.profile = profile
         self.pdl = pdl
         self.publish = publish
+        if secondary and not publish:
+            raise ValueError("ChunkPrepSm90: secondary is the overlapped path's (publish) option")
+        self.secondary = secondary
 
     @cute.jit
     def __call__(
@@ -166,7 +177,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
             g, beta, qg, w, u, kg, aqk, eg, tiles, num_tiles, scale, flags, chunks_per_seq, consumers, *outs,
         ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-                  min_blocks_per_mp=self.ctas_per_sm,
+                  min_blocks_per_mp=self.ctas_per_sm, use_pdl=self.secondary,
                   # a fixed carveout (all of the SM for shared memory): no device query when compiling
                   preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None)
 
@@ -314,6 +325,10 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 self.prep_consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale,
                                    st, mFlags, chunks_per_seq, consumers,
                                    ((tma_qg, mQgT), (tma_kg, mKgT), (tma_w, mWT), (tma_u, mUT), (tma_a, mAT)))
+        if cutlass.const_expr(self.secondary):
+            # this grid ends only after the state pass it was launched beside: the stream's next kernels may then
+            # rely on both being complete
+            cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def prep_consumer(self, sched, load, j, ctid, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st, mFlags,

@@ -207,14 +207,15 @@ def _variants() -> list[Variant]:
                                              raw_qk=True, rs=True, ring_decay=True, num_stages=3, pair=False,
                                              tma_o=False, u_fast=False, pdl=True),
                 ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
-                               "atom.global.acquire.add", "fence.proxy.async.global", "ld.global.v4.b32"),
+                               "ld.acquire.gpu.global", "vote.sync.ballot", "fence.proxy.async.global",
+                               "ld.global.v4.b32"),
                 archs=("sm_90a",),
             ))
         else:
             out.append(Variant(
                 op, f"{tag}_state_pass_sm90_bfloat16_consume",
                 lambda d: compile_state_pass(torch.bfloat16, True, True, True, dump_dir=d, consume=True),
-                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "atom.global.acquire.add",
+                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "ld.acquire.gpu.global", "vote.sync.ballot",
                                "fence.proxy.async.global"),
                 archs=("sm_90a",),
             ))

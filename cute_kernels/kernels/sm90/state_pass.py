@@ -87,11 +87,14 @@ class ChunkStatePassSm90:
     `griddepcontrol.launch_dependents` so the next launch can start its own prologue.
 
     `consume` (forward mode, the overlapped path: phase 1 runs at the same time with `publish`): before loading
-    chunk c of a tile, the producer warp's lane 0 spins on `flags[(seq * chunks_per_seq + chunk) * H + head]`
-    with gpu-scope acquire reads until phase 1 has published the chunk, takes one count back (so the flags end
-    the call at 0), and the warp syncs and fences the generic proxy against the async one before its TMA loads
-    and eg reads. Phase 1 never waits on this grid, so the spin cannot deadlock as long as phase 1 has SMs: the
-    op launches phase 1 first and keeps this grid below the SM count.
+    chunk c of a tile, unless an earlier look already saw it published, the producer warp looks at the flags
+    `flags[(seq * chunks_per_seq + chunk) * H + head]` of chunks c .. c + 31 at once (lane i: chunk c + i, a
+    gpu-scope acquire load), spinning until chunk c's is set; every lane of the run of published chunks from c
+    takes one count back (so the flags end the call at 0), and the warp syncs and fences the generic proxy
+    against the async one before its TMA loads and eg reads. One flag round trip then serves every chunk phase 1
+    has already published (it runs ahead of the chain) instead of one per chunk on the producer's path. Phase 1
+    never waits on this grid before its end, so the spin cannot deadlock as long as phase 1 has SMs: the op keeps
+    this grid within half the SM count.
 
     `profile` (rs, diagnostics only): the consumer sums clock64 cycles per phase of every chunk -- (0) exp(G_last)
     load and ring wait, (1) first products and their wait, (2) subtraction and conversion of v_new, (4) second
@@ -319,10 +322,15 @@ class ChunkStatePassSm90:
             if cutlass.const_expr(self.mode == "summary"):
                 if blk >= n_vb:
                     blk = Int32(0)   # M columns: u is not used (any in-bounds tile keeps the byte count)
-            for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
+            n_chunks = work.chunk_end - work.chunk_start
+            ready = Int32(0)   # consume: chunks [0, ready) of the tile are known published
+            for c in cutlass.range(n_chunks, unroll=1):
                 if cutlass.const_expr(self.consume):
-                    self.wait_published(mFlags, (work.seq * chunks_per_seq + work.chunk_start + c) * mEg.shape[1]
-                                        + head, lane)
+                    if c >= ready:
+                        num_heads = mEg.shape[1]
+                        ready = c + self.wait_published(
+                            mFlags, (work.seq * chunks_per_seq + work.chunk_start + c) * num_heads + head,
+                            num_heads, n_chunks - c, lane)
                 if cutlass.const_expr(self.ring_decay):
                     # exp(G_last) into registers first (its latency under the wait for a free stage), into the
                     # stage once it is free, then the arrive that publishes it with the TMA bytes
@@ -370,17 +378,24 @@ class ChunkStatePassSm90:
         load.producer_tail(state)
 
     @cute.jit
-    def wait_published(self, mFlags, idx, lane):
-        """`consume`: wait (lane 0, gpu-scope acquire reads) until phase 1 has published flag `idx`, take one count
-        back, then order the warp's later generic reads (eg) and async-proxy reads (TMA) after the acquire."""
-        if lane == 0:
-            ptr = mFlags.iterator + idx
-            seen = cute.arch.atomic_add(ptr, Int32(0), sem="acquire", scope="gpu")
-            while seen == 0:
-                seen = cute.arch.atomic_add(ptr, Int32(0), sem="acquire", scope="gpu")
+    def wait_published(self, mFlags, idx, stride, left, lane) -> Int32:
+        """`consume`: the number of consecutive chunks from this one that phase 1 has published (>= 1: spins until
+        this one is), from one look at up to 32 flags (lane i: flag `idx + i stride`, i < `left`, gpu-scope
+        acquire loads); each of those lanes takes one count back. Then the warp's later generic reads (eg) and
+        async-proxy reads (TMA) are ordered after the acquires (bar.warp.sync orders memory among the lanes)."""
+        ptr = mFlags.iterator + idx + lane * stride
+        run = Int32(0)
+        while run == 0:
+            seen = Int32(0)
+            if lane < left:
+                seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+            mask = cute.arch.vote_ballot_sync(seen > 0)
+            run = cute.arch.popc(mask & ~(mask + 1))   # trailing ones: published from lane 0 on
+        if lane < run:
             cute.arch.atomic_add(ptr, Int32(-1), sem="relaxed", scope="gpu")
         cute.arch.sync_warp()
         cute.arch.fence_proxy("async.global")
+        return run
 
     @cute.jit
     def consumer(self, sched, load, wtid, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st):

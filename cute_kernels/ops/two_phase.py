@@ -716,8 +716,9 @@ def _side_stream(device):
 
 
 # GDN's overlapped path with the raw kernels (phase 1 three CTAs per SM, see `OverlapPlan`), where GDN_RAW_QK is
-# on. CUTE_KERNELS_OVERLAP_RAW=0: the gated kernels (phase 1 one CTA per SM).
-OVERLAP_RAW = os.environ.get("CUTE_KERNELS_OVERLAP_RAW", "1") == "1"
+# on. Correct on the H200 (tests/test_two_phase.py -k overlapped_path) but measured no faster than the gated build
+# (OVERLAP_RAW_PREP_CHUNK_US), so off; CUTE_KERNELS_OVERLAP_RAW=1 turns it on.
+OVERLAP_RAW = os.environ.get("CUTE_KERNELS_OVERLAP_RAW", "0") == "1"
 
 
 def overlap_raw(kda: bool) -> bool:
@@ -740,13 +741,18 @@ def overlap_plan(B, T, H, kda, io, beta_dtype, init, final, device, sms) -> Over
 # the state chain slows from ~1.2-1.35 to ~1.75 (GDN) / ~1.85 (KDA) us per chunk while phase 1 runs beside it
 # (B=1 H=8 T=8192, chain-bound: 231.7 / 248.3 us). With these the model is within ~4% of the 12 cells measured
 # (e.g. KDA B=1 H=16 T=4096: 190.7 predicted, 190.8 measured; GDN T=2048: 70.4 vs 68.6).
-OVERLAP_PREP_CHUNK_US = {False: 10.4, True: 16.8}
-OVERLAP_CHAIN_CHUNK_US = {False: 1.75, True: 1.85}
-# The raw build (OVERLAP_RAW, session 19): phase 1 per chunk per CTA with three CTAs per SM beside the state pass,
-# and the raw state chain (~4% more per chunk than the gated one alone). First estimates (PREP_TRIO_CHUNK_US, the
-# gated path's +11% beside the state pass and its 1.75 us chain); see NOTES.md for the measurement.
+# Session 19: with the state pass looking at up to 32 flags at once (`ChunkStatePassSm90(consume=True)`; one
+# atomic round trip per chunk before), the chain beside phase 1 fell to ~1.45 us per chunk (KDA B=1 H=8 T=8192,
+# chain-bound: 248.3 -> 196.2 us) and GDN's gated phase 1 beside it to ~8.9 us per chunk (B=1 H=16 T=4096 / 8192:
+# 103.9 / 193.0 us, from 116.9 / 225.8 in the same run before the change).
+OVERLAP_PREP_CHUNK_US = {False: 8.9, True: 16.8}
+OVERLAP_CHAIN_CHUNK_US = {False: 1.45, True: 1.45}
+# The raw build (OVERLAP_RAW): phase 1 per chunk per CTA with three CTAs per SM beside the state pass, and the
+# raw state chain; estimates (PREP_TRIO_CHUNK_US and the gated chain). Measured (session 19) no faster than the
+# gated build or the plain path: B=1 H=16 T=8192 204.7 us (gated 193.0, plain 188.3), B=2 H=16 T=8192 303.9
+# (plain 300.1: phase 1 on the 68 SMs the 64 state CTAs leave is as long as the two phases in turn).
 OVERLAP_RAW_PREP_CHUNK_US = 14.0
-OVERLAP_RAW_CHAIN_CHUNK_US = 1.82
+OVERLAP_RAW_CHAIN_CHUNK_US = 1.5
 
 
 def predicted_overlap_us(problem, kda: bool, slots: int) -> float:

@@ -695,3 +695,32 @@ def test_product_solve_operand_precision():
         assert worst[correlated]["kernel-tf32"] <= 1.05 * worst[correlated]["tf32"], worst
         assert mean["tf32-trunc"] > 1.5 * mean["tf32"] and mean["bf16"] > 4 * mean["tf32"], mean
     assert worst[True]["bf16"] > 5e-3, worst   # too coarse where the chunk's keys repeat
+
+
+def test_level0_tensor_core_forms():
+    """Level 0 of the solve on the tensor cores, two forms: the series (I - a)(I + a^2)(I + a^4)(I + a^8) per
+    16 x 16 block holds in fp32 (within 1e-4) but blows up in tf32 when the keys repeat (|a^8| ~ 1e3), while 8 x 8
+    blocks by substitution with a third tf32 level (h = 8) stay as accurate as the 16-row build."""
+    from cute_kernels.reference.blocked_solve import blocked_unit_lower_inverse, series_block_inverse
+
+    gen = _gen("level0-forms", 0)
+    worst = {}
+    for correlated in (False, True):
+        errs = {"series-fp32": [], "series-tf32": [], "block8-tf32": [], "block16-tf32": []}
+        for _ in range(10):
+            A, kb = _chunk_akk(gen, correlated)
+            want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + A)
+            for b in range(0, 64, 16):   # the series: the diagonal blocks against the exact ones
+                for op in ("fp32", "tf32"):
+                    got = series_block_inverse(A, op)[b:b + 16, b:b + 16].double()
+                    blk = want[b:b + 16, b:b + 16]
+                    errs[f"series-{op}"].append(((got - blk).norm() / blk.norm()).item())
+            w_want = want @ kb
+            for name, block in (("block8-tf32", 8), ("block16-tf32", 16)):
+                X = blocked_unit_lower_inverse(A.float(), block=block, operand="tf32").double()
+                errs[name].append(((X @ kb - w_want).norm() / w_want.norm()).item())
+        worst[correlated] = {k: max(v) for k, v in errs.items()}
+        assert worst[correlated]["series-fp32"] <= 1e-4, worst   # fp32: the large a^8 costs digits already
+        assert worst[correlated]["block8-tf32"] <= max(1.5e-3, 1.5 * worst[correlated]["block16-tf32"]), worst
+    assert worst[False]["series-tf32"] <= 1e-3, worst
+    assert worst[True]["series-tf32"] > 0.1, worst   # repeated keys: unusable

@@ -20,6 +20,13 @@ random keys), truncated tf32 (the raw fp32 bits fed to the wgmma) 3.5e-3, bf16 o
 The kernel builds (`solve_levels_mma`, `blocked_unit_lower_inverse(operand="tf32")`) keep the unit diagonal of
 X_11 in fp32 -- X_10 = -(Y + X_11^strict Y) -- which is slightly more accurate (1.12e-3 / 6e-5), with warp-level
 mma.sync m16n8k8: the CuTe DSL (4.8.1) has no tf32 warpgroup (wgmma) op.
+
+Level 0 on the tensor cores (session 19, CPU only): the series form of each 16 x 16 block,
+(I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8) (`series_block_inverse`, six 16 x 16 products), is unusable in
+tf32: with one key repeated through the chunk |A^8| reaches ~1e3 and w's error ~1.6 (fp32 operands: 9.5e-4).
+Level 0 on 8 x 8 blocks by substitution with a third tensor-core level h = 8
+(`blocked_unit_lower_inverse(block=8, operand="tf32")`) keeps w within ~1.2e-3 of float64 -- as the 16-row
+build -- with an 8-step critical path and a quarter of level 0's work.
 """
 
 from __future__ import annotations
@@ -116,3 +123,24 @@ def product_unit_lower_inverse(A: torch.Tensor, operand: str = "tf32", block: in
         h *= 2
     return X
 
+
+def series_block_inverse(A: torch.Tensor, operand: str = "tf32", block: int = BLOCK) -> torch.Tensor:
+    """The diagonal blocks of (I + A)^-1 (zeros elsewhere) for strictly lower A [C, C], each as the product
+    (I - a)(I + a^2)(I + a^4)(I + a^8) of its block a (exact for block <= 16: a is nilpotent), every product on
+    `round_operand(., operand)` inputs with fp32 accumulation -- the tensor-core form of level 0 studied and
+    rejected (see the module docstring)."""
+    assert block <= 16, "the series stops at a^8: blocks of at most 16 rows"
+    C = A.shape[0]
+    A = torch.tril(A.float(), -1)
+    X = torch.zeros(C, C)
+    eye = torch.eye(block)
+    r = lambda x: round_operand(x, operand)   # noqa: E731
+    for b in range(0, C, block):
+        a = A[b:b + block, b:b + block]
+        a2 = r(a) @ r(a)
+        a4 = r(a2) @ r(a2)
+        a8 = r(a4) @ r(a4)
+        P = r(eye - a) @ r(eye + a2)
+        P = r(P) @ r(eye + a4)
+        X[b:b + block, b:b + block] = r(P) @ r(eye + a8)
+    return X

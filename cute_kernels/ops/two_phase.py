@@ -612,11 +612,12 @@ class OverlapPlan:
     """The overlapped two-phase forward (fixed-length batches, one segment per sequence), built once.
 
     Phase 1 (`ChunkPrepSm90` with `publish`: persistent, one chunk per tile (the persistent CTA's load ring runs
-    ahead across tiles), tiles ordered chunk-major so every (sequence, head)'s earliest chunks come first) runs on
-    a side stream; the state pass (`consume`, one CTA per (sequence, head, 64 V columns)) runs on the caller's
-    stream on other SMs, each chunk as soon as phase 1 has published it. The call then takes about max(phase 1 on
-    fewer SMs, the state chain) instead of their sum. The side stream waits for the caller's work before either
-    kernel, and the caller's stream for the side stream at the end, so the call is ordered like any other.
+    ahead across tiles), tiles ordered chunk-major so every (sequence, head)'s earliest chunks come first) and the
+    state pass (`consume`, one CTA per (sequence, head, 64 V columns)) run at the same time on different SMs, the
+    state pass taking each chunk as soon as phase 1 has published it. The call then takes about max(phase 1 on
+    fewer SMs, the state chain) instead of their sum. Phase 1 runs on a side stream (the gated build) or after the
+    state pass on the caller's stream (the raw build, below); the side stream waits for the caller's work before
+    either kernel, and the caller's stream for the side stream at the end, so the call is ordered like any other.
     Flags: int32 per (sequence, chunk, head), 0 between calls (each of the V / 64 state CTAs of a head takes one
     count back); one set per plan, so a plan must not run on two streams at once.
 

@@ -446,10 +446,9 @@ def time_overlap():
     def setting(overlap, raw):
         la.OVERLAP, two_phase.OVERLAP_RAW = overlap, raw
 
-    # GDN's overlapped path in both builds (OVERLAP_RAW: raw kernels, phase 1 three CTAs per SM; else gated)
-    settings = [("plain", lambda: setting("0", raw_default)), ("overlap", lambda: setting("1", raw_default))]
-    if raw_default:
-        settings.append(("overlap gated", lambda: setting("1", False)))
+    # GDN's overlapped path in both builds (gated: phase 1 one CTA per SM; raw, OVERLAP_RAW: three per SM)
+    settings = [("plain", lambda: setting("0", raw_default)), ("overlap gated", lambda: setting("1", False)),
+                ("overlap raw", lambda: setting("1", True))]
     model = lambda op, B, H, T: (   # noqa: E731
         f"model overlap {two_phase.predicted_overlap_us(Problem.fixed(B, T, H), op == 'kda', 132):.0f} us")
     time_op_settings(os.environ.get("OVERLAP_OPS", "gdn,kda").split(","), cells, settings,

@@ -141,6 +141,29 @@ def test_prep_kernel_matches_torch_prep(kda, slim, raw, trio, mma, B, T, H, chun
 
 
 @requires_sm90
+@pytest.mark.parametrize("kda", [False, True])
+def test_prep_solve_builds_on_repeated_keys(kda, monkeypatch):
+    """The solve's builds where I + Akk is worst conditioned: one key repeated through every chunk (beta 0.95).
+    w and u of each build (CUDA-core doubling levels, tf32 tensor-core levels) against the fp32 torch spec. A
+    build whose second-order terms are wrong passes on random keys (they are ~1e-3 there) but not here: session
+    20's 8 x 8 level-0 build measured 1.6 on this test and passed the random-key ones (within 1e-2)."""
+    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
+    gen = torch.Generator().manual_seed(31 + kda)
+    B, T, H = 1, 1024, 2
+    q, k, v, g, beta, _ = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
+    k = k[:, :1].expand_as(k).contiguous()
+    beta = torch.full_like(beta, 0.95)
+    want = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=kda)
+    err = {}
+    for mma in (False, True):
+        monkeypatch.setattr(two_phase, "PREP_SOLVE_MMA", mma)
+        got = two_phase.chunk_prep(q, k, v, g, beta, kda=kda).gated()
+        assert not got.w.isnan().any() and not got.u.isnan().any(), mma
+        err[mma] = max(rel_err(got.w, want.w), rel_err(got.u, want.u))
+    assert err[False] <= 1e-2 and err[True] <= 1e-2, err
+
+
+@requires_sm90
 @pytest.mark.parametrize("form", ["rows", "rows-tma", "columns"])
 @pytest.mark.parametrize("B,T,H", [(1, 512, 2), (2, 1000, 3)])
 def test_kda_prep_forms_on_fast_and_exact_chunks(form, B, T, H, monkeypatch):
@@ -512,12 +535,19 @@ def test_auto_path_choice(monkeypatch):
         assert "path: two-phase" in plan and f"segments per sequence: {n} (all 1 sequences)" in plan, plan
         choice, ran = la._last_choice
         assert ran and choice.two_phase_us < choice.fused_us
-        assert la._two_phase_segments(None, 16, 4096, 64, None, cpu, kda, False) is None   # 1024 pairs: fused
+        # grids that fill the GPU: fused (KDA's column form at 1024 pairs; GDN at T = 1024, 1024 pairs: 897 us
+        # fused vs 915 two-phase, H200 session 20)
+        big = (16, 4096, 64) if kda else (32, 1024, 32)
+        assert la._two_phase_segments(None, *big, None, cpu, kda, False) is None
         choice, ran = la._last_choice
         assert "path: fused" in la.last_plan() and not ran
         assert choice.two_phase_us >= la.TWO_PHASE_MARGIN * choice.fused_us   # (GDN: within the margin)
         assert la._two_phase_segments(SegmentScheduler(num_segments=4), 1, 8192, 4, None, cpu, kda, False) is None
         assert la._last_choice is None
+    # GDN at 1024 pairs and T = 4096, since the tf32 solve: two-phase (H200, session 20: 3434 us vs fused 3698)
+    assert la._two_phase_segments(None, 16, 4096, 64, None, cpu, False, False) == 1
+    choice, ran = la._last_choice
+    assert ran and choice.two_phase_us < la.TWO_PHASE_MARGIN * choice.fused_us
     # GDN, B=1 H=4 (H200, graph replay): fused 12.5 us at T=64 (one chunk), 19.1 at T=128 against two-phase 13.3 --
     # the fused launch's fixed cost (FUSED_LAUNCH_US) decides T=128; eager calls stay fused (host-bound).
     for T, two in [(64, False), (128, True)]:

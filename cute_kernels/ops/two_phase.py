@@ -843,8 +843,13 @@ PREP_SLIM_CHUNK_US = float(os.environ.get("CUTE_KERNELS_PREP_SLIM_CHUNK_US", "11
 PREP_SLIM_RAW_CHUNK_US = 9.6
 STATE_RAW_CHUNK_US = 1.2
 # PREP_TRIO's, per chunk per CTA with three CTAs on each SM: 12.85 measured at B=2 H=16 T=8192 and B=8 H=8 T=4096
-# (session 18; the slim build 9.77 in the same run).
-PREP_TRIO_CHUNK_US = 14.0
+# (session 18; the slim build 9.77 in the same run); the model took 14.0, which kept large grids on the fused path
+# where the two measured within ~3%. With the tf32 solve (session 19, phase 1 -7.7%) and STATE_TILE_US, 12.9 puts
+# the model within ~2% of the two-phase times measured at B*H = 128-2048, T = 1024-16384 (session 20, `paths`),
+# and "auto" then takes two-phase where it measured 3.5-10% faster (B=16 H=64 T=4096 3434 vs fused 3698 us,
+# B=4 H=64 T=16384 3416 vs 3808, B=32 H=32 T=4096 3407 vs 3551, B=8 H=32 T=4096 872 vs 904, B=8 H=16 T=16384
+# 1703 vs 1772); cells within ~2% stay fused (B=8 H=16 T=4096 446 vs 463, T = 1024 rows).
+PREP_TRIO_CHUNK_US = 12.9
 
 
 def prep_slim_chunk_us(per_sm: int = 2) -> float:
@@ -861,6 +866,16 @@ STATE_CHUNK_US = ({False: 1.15, True: 1.2} if STATE_RING_DECAY else {False: 1.45
 # unsplit at B=1 H=4 .. B=4 H=16 (H200, 2026-12-03).
 STATE_PAIR_CHUNK_US = {False: 2.0, True: 2.1}
 LAUNCH_US = 2.0
+# A state-pass tile's fixed cost (its first loads, the final state store) where the output tiles take more than one
+# wave: fitted to `scripts/time_two_phase.py paths` (H200, session 20, GDN, fused and two-phase forced): without it
+# the model ran 7% under the measured two-phase time at T = 1024 (B=16..32, H=32..64: 16 chunks per tile) and 20%
+# at T = 256 (B=32 H=64), 1-3% at T >= 4096; 3.5 us per tile fits those thirteen cells within ~2%. Left out in
+# one wave (the per-chunk costs were fitted there) and for sequences of fewer than 4 chunks: at T = 64 / 128 the
+# two-phase path measured faster than fused (B=8 H=32 T=64 33 vs 36 us, B=8 H=16 T=128 28 vs 32), which the
+# charge would have reversed; at T = 256 it holds (B=8 H=16: 45 vs 41, now fused). KDA: none (its model matched
+# the same measurements without it, within 2%, and its short-T choices were measured as they are).
+STATE_TILE_US = {False: 3.5, True: 0.0}
+STATE_TILE_MIN_CHUNKS = 4
 # KDA's split state pass measured above the model by ~1-1.5 us per extra segment (H200, session 12, seed rows
 # B*H <= 8 with the regs merge: +3 us at N = 4, +11-15 us at N = 8-9; GDN within ~4 us at N = 8-9): with the
 # cheaper merge link the model split KDA calls where fewer segments measured faster (B=1 H=8 T=1024: N = 4 45.9 us
@@ -894,7 +909,9 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
     chunk_us = (STATE_PAIR_CHUNK_US if per == 1 else STATE_CHUNK_US)[kda]
     if per == 2 and raw_qk_path(kda):
         chunk_us = STATE_RAW_CHUNK_US
-    outputs = [n for ls in lens for n in ls for _ in range(per * H)]
+    tile = STATE_TILE_US[kda] / chunk_us if sum(len(ls) for ls in lens) * per * H > slots else 0.0
+    outputs = [n + (tile if c >= STATE_TILE_MIN_CHUNKS else 0.0)
+               for c, ls in zip(problem.chunks, lens) for n in ls for _ in range(per * H)]
     t += makespan(outputs, slots) * chunk_us
     if all(len(ls) <= 1 for ls in lens):
         return t

@@ -512,7 +512,19 @@ def time_solve_mma():
     op_ab(ops_, cells, "PREP_SOLVE_MMA", ("cuda cores", "mma"))
 
 
-MODES = {"solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+def time_balance():
+    """GDN phase 1 on two-chunk tiles against PREP_BALANCE's one wave of 2-3 chunk tiles (the plan picks the tiles:
+    `prep_tile_counts`), then the op beside FLA under both. BAL_CELLS="B,H,T;..." picks the cells (default: the
+    seed cells with 1024 chunk rows, where the model predicts 3 chunk times per slot instead of 4); BAL_OP=0 skips
+    the op (and FLA's autotuning)."""
+    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
+        "BAL_CELLS", "1,4,16384;1,16,4096;2,16,2048;8,16,512").split(";")]
+    prep_ab("gdn", cells, "PREP_BALANCE", ("two-chunk tiles", "balanced"))
+    if os.environ.get("BAL_OP", "1") == "1":
+        op_ab(["gdn"], cells, "PREP_BALANCE", ("two-chunk tiles", "balanced"))
+
+
+MODES = {"balance": time_balance, "solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}
 
 

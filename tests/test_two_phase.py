@@ -140,6 +140,52 @@ def test_prep_kernel_matches_torch_prep(kda, slim, raw, trio, mma, B, T, H, chun
     assert rel_err(eg, eg_want) <= 1e-5
 
 
+def test_prep_balanced_tiles(monkeypatch):
+    """PREP_BALANCE: where two-chunk tiles leave a partial last wave, one wave of 2-3 chunk tiles (GDN, three CTAs
+    per SM on 132 SMs); elsewhere (one wave already, or no gain in the model, or KDA at one CTA per SM) the
+    two-chunk tiles. Every chunk is in exactly one tile; the cost model sees the same tiles."""
+    from schedulers import Problem
+
+    monkeypatch.setattr(two_phase, "PREP_BALANCE", True)
+    p = Problem.fixed(1, 16384, 4)
+    n = two_phase.prep_tile_counts(p, False, 132)
+    assert n == [99]   # 396 tiles = 132 SMs x 3
+    sizes = two_phase._split_sizes(256, 99)
+    assert sum(sizes) == 256 and set(sizes) == {2, 3}
+    assert two_phase.prep_tile_counts(p, True, 132) == [128]        # KDA: 8 chunk times per SM either way
+    assert two_phase.prep_tile_counts(p, False, 132, 2) == [128]    # an explicit chunks_per_tile wins
+    assert two_phase.prep_tile_counts(Problem.fixed(1, 8192, 16), False, 132) == [64]   # 2048 rows: no gain
+    assert two_phase.prep_tile_counts(Problem.fixed(1, 1024, 4), False, 132) == [16]    # one wave of 1-chunk tiles
+    # varlen, 100 and 300 chunks, 2 heads: 400 two-chunk tiles (4 past one wave) -> shares in proportion
+    varlen = Problem.varlen([0, 64 * 100, 64 * 400], 2)
+    assert two_phase.prep_tile_counts(varlen, False, 132) == [49, 148]   # c x 396 // 800
+    t_bal = two_phase.predicted_us(p, [1], False, False, 132, 2.0)
+    monkeypatch.setattr(two_phase, "PREP_BALANCE", False)
+    t_two = two_phase.predicted_us(p, [1], False, False, 132, 2.0)
+    assert t_bal < t_two - 0.9 * two_phase.PREP_TRIO_CHUNK_US, (t_bal, t_two)   # one chunk time less
+
+
+@requires_sm90
+@pytest.mark.parametrize("B,T,H", [(8, 512, 16), (1, 16384, 4)])
+def test_prep_balanced_tiles_match_torch_prep(B, T, H, monkeypatch):
+    """Phase 1 on PREP_BALANCE's 2-3 chunk tiles (GDN, raw, three CTAs per SM) against the torch spec, NaN-poisoned,
+    run-to-run bitwise."""
+    monkeypatch.setattr(two_phase, "PREP_BALANCE", True)
+    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
+    gen = torch.Generator().manual_seed(11 + T + H)
+    q, k, v, g, beta, _ = make(B, T, H, False, gen, dtype=torch.bfloat16, device="cuda")
+    plan = two_phase.prep_plan(B, T, H, None, False, q.dtype, beta.dtype, q.device)
+    assert plan.occupancy == 3 and max(two_phase._split_sizes(-(-T // 64), plan.tile_counts[0])) == 3
+    want = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=False)
+    got = two_phase.chunk_prep(q, k, v, g, beta, kda=False).gated()
+    again = two_phase.chunk_prep(q, k, v, g, beta, kda=False).gated()
+    for name in ("qg", "w", "u", "kg", "aqk"):
+        x = getattr(got, name)
+        assert not x.isnan().any(), name
+        assert rel_err(x, getattr(want, name)) <= 1e-2, name
+        assert torch.equal(x, getattr(again, name)), name
+
+
 @requires_sm90
 @pytest.mark.parametrize("kda", [False, True])
 def test_prep_solve_builds_on_repeated_keys(kda, monkeypatch):

@@ -162,6 +162,49 @@ def prep_chunks_per_tile(problem, kda: bool, slots: int) -> int:
     return 1 if sum(problem.chunks) * problem.num_heads <= slots * prep_ctas_per_sm(kda) else 2
 
 
+# Phase-1 tiles sized to fill one wave where two-chunk tiles would leave a partial last wave (`prep_tile_counts`).
+# Written in session 20 without device time; off until measured. The case it is for: B=1 H=4 T=16384 (1024 chunk
+# rows) runs phase 1 in 45 us, 44 ns per chunk and head against 30 ns at B=2 H=16 T=8192: its 512 two-chunk tiles
+# fill the 396 CTA slots (three per SM) once and 116 of them again, alone on their SMs. One wave of 396 tiles of
+# 2-3 chunks is 3 chunk times per slot instead of 4. Prediction: phase 1 there 45 -> ~36 us, the op ~7% faster.
+PREP_BALANCE = os.environ.get("CUTE_KERNELS_PREP_BALANCE", "0") == "1"
+# balanced tiles only where the model's phase-1 makespan (in chunk times per slot) drops by at least this factor
+PREP_BALANCE_GAIN = 0.9
+
+
+def prep_tile_counts(problem, kda: bool, slots: int, chunks_per_tile: int | None = None) -> list[int]:
+    """Phase-1 tiles per sequence (each (sequence, head) split into that many near-equal chunk ranges).
+
+    `chunks_per_tile` given: that many chunks per tile. Otherwise `prep_chunks_per_tile`'s, or with PREP_BALANCE,
+    where it pays in the model: one wave of tiles (the slots at the occupancy that many tiles get) with each
+    sequence's share in proportion to its chunks -- tiles of ~total / slots chunks, so the last wave is not a
+    partial one."""
+    from schedulers.heuristics import makespan
+
+    H = problem.num_heads
+    fixed = chunks_per_tile or prep_chunks_per_tile(problem, kda, slots)
+    counts = [max(1, -(-c // fixed)) for c in problem.chunks]
+    if chunks_per_tile is not None or not PREP_BALANCE or fixed == 1:
+        return counts
+    total = sum(problem.chunks) * H
+    wave = slots * prep_occupancy(kda, total, slots)   # total > one wave of tiles here: the largest occupancy
+    share = [max(1, min(c, c * wave // total)) for c in problem.chunks]
+
+    def span(ns):
+        tiles = [n for c, k in zip(problem.chunks, ns) for n in _split_sizes(c, k) for _ in range(H)]
+        return makespan(tiles, slots * prep_occupancy(kda, len(tiles), slots))
+
+    return share if span(share) <= PREP_BALANCE_GAIN * span(counts) else counts
+
+
+def _split_sizes(c: int, n: int) -> list[int]:
+    """The chunk counts of `split_even(c, n)`'s pieces."""
+    from schedulers import split_even
+
+    b = split_even(c, n)
+    return [b[i + 1] - b[i] for i in range(len(b) - 1)]
+
+
 def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool, vec: bool | None = None,
                        prefetch: bool | None = None, slim: bool | None = None, dump_dir=None,
                        profile: bool = False, pdl: bool | None = None, publish: bool = False,
@@ -285,10 +328,10 @@ _plans: dict = {}
 
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
-    PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, PREP_SOLVE_MMA, the STATE_* switches of the state pass, the affine-merge
-    variant setting, OVERLAP_RAW)."""
-    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, PREP_SOLVE_MMA, OVERLAP_RAW,
-            STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL,
+    PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the STATE_* switches of the state pass, the
+    affine-merge variant setting, OVERLAP_RAW)."""
+    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE,
+            OVERLAP_RAW, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL,
             _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
     if plan is None:
@@ -323,9 +366,10 @@ class PrepPlan:
         from .linear_attention import _sm_count
 
         if chunks_per_tile is None:
-            chunks_per_tile = prep_chunks_per_tile(problem, kda, _sm_count(device))
-        self.chunks_per_tile = chunks_per_tile
-        seg = Segmentation([split_even(c, max(1, -(-c // chunks_per_tile))) for c in problem.chunks])
+            self.tile_counts = prep_tile_counts(problem, kda, _sm_count(device))
+        else:
+            self.tile_counts = [max(1, -(-c // chunks_per_tile)) for c in problem.chunks]
+        seg = Segmentation([split_even(c, n) for c, n in zip(problem.chunks, self.tile_counts)])
         schedule = schedule_from_segmentation(problem, seg, "prep")
         self.raw = raw_qk_path(kda)
         # (CPU plans, the tests' emulated kernels: no SM count to ask, the base build)
@@ -888,7 +932,7 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
                  chunks_per_tile: int | None = None):
     """Predicted GPU time of the two-phase forward with `counts` segments per sequence (`problem`: one block).
 
-    Phase 1: tiles of `chunks_per_tile` chunks per (sequence, head) (None: as `prep_chunks_per_tile`).
+    Phase 1: tiles of `chunks_per_tile` chunks per (sequence, head) (None: as `prep_tile_counts` picks).
     Phase 2: output tiles per (sequence, segment, head, 64 V columns); if split, summary tiles (2 h_ext blocks per segment but the last, plus 2 M blocks except
     the first segment's without an initial state), N - 1 merge links (and SEGMENT_US each) and two more launches.
     """
@@ -896,9 +940,8 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
     from schedulers.heuristics import makespan
 
     H = problem.num_heads
-    if chunks_per_tile is None:
-        chunks_per_tile = prep_chunks_per_tile(problem, kda, slots)
-    prep = [min(chunks_per_tile, c - i) for c in problem.chunks for _ in range(H) for i in range(0, c, chunks_per_tile)]
+    prep = [n for c, k in zip(problem.chunks, prep_tile_counts(problem, kda, slots, chunks_per_tile))
+            for _ in range(H) for n in _split_sizes(c, k)]
     per_sm = prep_occupancy(kda, len(prep), slots)
     t = makespan(prep, slots * per_sm) * (prep_slim_chunk_us(per_sm) if per_sm > 1 else prep_chunk_us(kda)) + LAUNCH_US
     lens = []

@@ -936,7 +936,6 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
     Phase 2: output tiles per (sequence, segment, head, 64 V columns); if split, summary tiles (2 h_ext blocks per segment but the last, plus 2 M blocks except
     the first segment's without an initial state), N - 1 merge links (and SEGMENT_US each) and two more launches.
     """
-    from schedulers import split_even
     from schedulers.heuristics import makespan
 
     H = problem.num_heads
@@ -944,10 +943,7 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
             for _ in range(H) for n in _split_sizes(c, k)]
     per_sm = prep_occupancy(kda, len(prep), slots)
     t = makespan(prep, slots * per_sm) * (prep_slim_chunk_us(per_sm) if per_sm > 1 else prep_chunk_us(kda)) + LAUNCH_US
-    lens = []
-    for c, n in zip(problem.chunks, counts):
-        b = split_even(c, max(1, min(n, c)))
-        lens.append([b[i + 1] - b[i] for i in range(len(b) - 1)])
+    lens = [_split_sizes(c, max(1, min(n, c))) for c, n in zip(problem.chunks, counts)]
     per = 1 if state_pair() else 2   # tiles per (segment, head): V / 128 or V / 64 columns each
     chunk_us = (STATE_PAIR_CHUNK_US if per == 1 else STATE_CHUNK_US)[kda]
     if per == 2 and raw_qk_path(kda):

@@ -143,7 +143,7 @@ def test_prep_kernel_matches_torch_prep(kda, slim, raw, trio, mma, B, T, H, chun
 def test_prep_balanced_tiles(monkeypatch):
     """PREP_BALANCE: where two-chunk tiles leave a partial last wave, one wave of 2-3 chunk tiles (GDN, three CTAs
     per SM on 132 SMs); elsewhere (one wave already, or no gain in the model, or KDA at one CTA per SM) the
-    two-chunk tiles. Every chunk is in exactly one tile; the cost model sees the same tiles."""
+    two-chunk tiles. Every chunk is in exactly one tile."""
     from schedulers import Problem
 
     monkeypatch.setattr(two_phase, "PREP_BALANCE", True)
@@ -159,10 +159,12 @@ def test_prep_balanced_tiles(monkeypatch):
     # varlen, 100 and 300 chunks, 2 heads: 400 two-chunk tiles (4 past one wave) -> shares in proportion
     varlen = Problem.varlen([0, 64 * 100, 64 * 400], 2)
     assert two_phase.prep_tile_counts(varlen, False, 132) == [49, 148]   # c x 396 // 800
+    # the cost model prices phase 1 on the two-chunk tiles either way (balancing measured 5-8% off phase 1, far
+    # less than its makespan's 25%), so the path and segment choices do not move with PREP_BALANCE
     t_bal = two_phase.predicted_us(p, [1], False, False, 132, 2.0)
     monkeypatch.setattr(two_phase, "PREP_BALANCE", False)
-    t_two = two_phase.predicted_us(p, [1], False, False, 132, 2.0)
-    assert t_bal < t_two - 0.9 * two_phase.PREP_TRIO_CHUNK_US, (t_bal, t_two)   # one chunk time less
+    assert two_phase.prep_tile_counts(p, False, 132) == [128]
+    assert two_phase.predicted_us(p, [1], False, False, 132, 2.0) == t_bal
 
 
 @requires_sm90

@@ -163,28 +163,35 @@ def prep_chunks_per_tile(problem, kda: bool, slots: int) -> int:
 
 
 # Phase-1 tiles sized to fill one wave where two-chunk tiles would leave a partial last wave (`prep_tile_counts`).
-# Written in session 20 without device time; off until measured. The case it is for: B=1 H=4 T=16384 (1024 chunk
-# rows) runs phase 1 in 45 us, 44 ns per chunk and head against 30 ns at B=2 H=16 T=8192: its 512 two-chunk tiles
-# fill the 396 CTA slots (three per SM) once and 116 of them again, alone on their SMs. One wave of 396 tiles of
-# 2-3 chunks is 3 chunk times per slot instead of 4. Prediction: phase 1 there 45 -> ~36 us, the op ~7% faster.
-PREP_BALANCE = os.environ.get("CUTE_KERNELS_PREP_BALANCE", "0") == "1"
+# The case it is for: B=1 H=4 T=16384 (1024 chunk rows), whose 512 two-chunk tiles fill the 396 CTA slots (three
+# per SM) once and 116 of them again; one wave of 396 tiles of 2-3 chunks instead. Session 20 predicted phase 1
+# 45 -> ~36 us from the makespan (4 -> 3 chunk times per slot). Measured on the H200 (session 21, graph replay,
+# `scripts/time_two_phase.py balance`), GDN phase 1 at four seed cells with 1024 chunk rows: 44.5 -> 42.1
+# (B=1 H=4 T=16384), 44.3 -> 41.7 (B=2 H=16 T=2048), 43.8 -> 40.1 (B=1 H=16 T=4096), 44.4 -> 42.0 (B=8 H=16
+# T=512); the op 129.4 -> 128.6, 91.8 -> 89.2, 74.6 -> 73.6 us. The tail wave's 116 tiles run alone on their SMs,
+# faster per chunk than at three per SM, so the makespan overstates what balancing saves: `predicted_us` prices
+# phase 1 on the two-chunk tiles either way (the path and segment choices stay those the model was fitted on).
+PREP_BALANCE = os.environ.get("CUTE_KERNELS_PREP_BALANCE", "1") == "1"
 # balanced tiles only where the model's phase-1 makespan (in chunk times per slot) drops by at least this factor
 PREP_BALANCE_GAIN = 0.9
 
 
-def prep_tile_counts(problem, kda: bool, slots: int, chunks_per_tile: int | None = None) -> list[int]:
+def prep_tile_counts(problem, kda: bool, slots: int, chunks_per_tile: int | None = None,
+                     balance: bool | None = None) -> list[int]:
     """Phase-1 tiles per sequence (each (sequence, head) split into that many near-equal chunk ranges).
 
-    `chunks_per_tile` given: that many chunks per tile. Otherwise `prep_chunks_per_tile`'s, or with PREP_BALANCE,
-    where it pays in the model: one wave of tiles (the slots at the occupancy that many tiles get) with each
-    sequence's share in proportion to its chunks -- tiles of ~total / slots chunks, so the last wave is not a
-    partial one."""
+    `chunks_per_tile` given: that many chunks per tile. Otherwise `prep_chunks_per_tile`'s, or with `balance`
+    (default PREP_BALANCE), where the makespan drops by PREP_BALANCE_GAIN: one wave of tiles (the slots at the
+    occupancy that many tiles get) with each sequence's share in proportion to its chunks -- tiles of ~total /
+    slots chunks, so the last wave is not a partial one."""
     from schedulers.heuristics import makespan
 
     H = problem.num_heads
     fixed = chunks_per_tile or prep_chunks_per_tile(problem, kda, slots)
     counts = [max(1, -(-c // fixed)) for c in problem.chunks]
-    if chunks_per_tile is not None or not PREP_BALANCE or fixed == 1:
+    if balance is None:
+        balance = PREP_BALANCE
+    if chunks_per_tile is not None or not balance or fixed == 1:
         return counts
     total = sum(problem.chunks) * H
     wave = slots * prep_occupancy(kda, total, slots)   # total > one wave of tiles here: the largest occupancy
@@ -932,15 +939,16 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
                  chunks_per_tile: int | None = None):
     """Predicted GPU time of the two-phase forward with `counts` segments per sequence (`problem`: one block).
 
-    Phase 1: tiles of `chunks_per_tile` chunks per (sequence, head) (None: as `prep_tile_counts` picks).
+    Phase 1: tiles of `chunks_per_tile` chunks per (sequence, head) (None: as `prep_tile_counts` picks without
+    PREP_BALANCE, whose measured gain is far below its makespan's; see there).
     Phase 2: output tiles per (sequence, segment, head, 64 V columns); if split, summary tiles (2 h_ext blocks per segment but the last, plus 2 M blocks except
     the first segment's without an initial state), N - 1 merge links (and SEGMENT_US each) and two more launches.
     """
     from schedulers.heuristics import makespan
 
     H = problem.num_heads
-    prep = [n for c, k in zip(problem.chunks, prep_tile_counts(problem, kda, slots, chunks_per_tile))
-            for _ in range(H) for n in _split_sizes(c, k)]
+    tile_counts = prep_tile_counts(problem, kda, slots, chunks_per_tile, balance=False)
+    prep = [n for c, k in zip(problem.chunks, tile_counts) for _ in range(H) for n in _split_sizes(c, k)]
     per_sm = prep_occupancy(kda, len(prep), slots)
     t = makespan(prep, slots * per_sm) * (prep_slim_chunk_us(per_sm) if per_sm > 1 else prep_chunk_us(kda)) + LAUNCH_US
     lens = [_split_sizes(c, max(1, min(n, c))) for c, n in zip(problem.chunks, counts)]

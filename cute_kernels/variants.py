@@ -163,6 +163,15 @@ def _variants() -> list[Variant]:
                     + (("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32") if mma else ()),
                     archs=("sm_90a",),
                 ))
+            # GDN_FOLD: the trio build writing W2 = T^T kg and A1 = Aqk T instead of w, u and Aqk (no v load)
+            out.append(Variant(
+                op, f"{tag}_chunk_prep_sm90_bfloat16_slim_raw_trio_mma_fold",
+                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, False, slim=True, dump_dir=d, pdl=True,
+                                             raw_qk=True, trio=True, solve_mma=True, fold=True),
+                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4", ".minnctapersm 3",
+                               ".reqntid 288", "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
+                archs=("sm_90a",),
+            ))
         else:   # KDA's phase 1 builds with the row-anchored Akk / Aqk by default (m64n48 / n32 band products);
             # still selectable: the column form (CUTE_KERNELS_KDA_ROW_ANCHORS=0) and the row-anchored build with
             # its terms stored by threads (CUTE_KERNELS_PREP_TMA_OUT=0)
@@ -239,6 +248,15 @@ def _variants() -> list[Variant]:
                     lambda d, mode=mode, init=init, final=final: compile_state_pass(
                         torch.bfloat16, False, init, final, mode=mode, dump_dir=d, rs=True, ring_decay=True,
                         tma_o=False, pair=False, pdl=True, raw_qk=True),
+                    ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
+                                   "ld.global.v4.b32", "griddepcontrol.wait"),
+                    archs=("sm_90a",),
+                ))
+                out.append(Variant(   # GDN_FOLD: R = v - diag(2^G) k S, then A1 R and W2^T R
+                    op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode) + "_rs_fold",
+                    lambda d, mode=mode, init=init, final=final: compile_state_pass(
+                        torch.bfloat16, False, init, final, mode=mode, dump_dir=d, rs=True, ring_decay=True,
+                        tma_o=False, pair=False, pdl=True, raw_qk=True, fold=True),
                     ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
                                    "ld.global.v4.b32", "griddepcontrol.wait"),
                     archs=("sm_90a",),

@@ -15,6 +15,9 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py solve-mma  # phase 1's solve levels on CUDA cores vs tf32 mma.sync, then the op
     python3 scripts/time_two_phase.py trio       # GDN phase 1 with two CTAs per SM against three, then the op
     python3 scripts/time_two_phase.py overlap    # the op with the overlapped path off ("auto" plan) / forced, FLA beside
+    python3 scripts/time_two_phase.py balance    # GDN phase 1 on two-chunk tiles vs PREP_BALANCE's one wave, then the op
+    python3 scripts/time_two_phase.py fold       # GDN's terms w, u vs GDN_FOLD's W2, A1: phase 1 alone, then the op
+    python3 scripts/time_two_phase.py fold-chain # the state pass on w, u vs GDN_FOLD's terms: time, profile phases
 """
 
 import dataclasses
@@ -524,7 +527,50 @@ def time_balance():
         op_ab(["gdn"], cells, "PREP_BALANCE", ("two-chunk tiles", "balanced"))
 
 
-MODES = {"balance": time_balance, "solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+def time_fold():
+    """GDN's phase 1 writing w and u against GDN_FOLD's W2 and A1 (graph replay, the plan's own tiles), then the op
+    beside FLA under both. FOLD_CELLS="B,H,T;..." picks the cells; FOLD_PREP=0 skips phase 1 alone."""
+    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
+        "FOLD_CELLS", "16,64,4096;8,32,4096;2,16,8192;1,4,16384").split(";")]
+    if os.environ.get("FOLD_PREP", "1") == "1":
+        prep_ab("gdn", cells, "GDN_FOLD", ("w, u", "fold"))
+    op_ab(["gdn"], cells, "GDN_FOLD", ("w, u", "fold"))
+
+
+def time_fold_chain():
+    """GDN's raw state pass reading w, u against GDN_FOLD's (k, v, W2, A1): unsplit forward, plain
+    build time (graph replay, us per chunk per CTA) and the profile build's cycles per chunk by phase, with o stored
+    from registers and (FOLD_TMA_O=1) by TMA from shared memory. FOLD_CHAIN_CELLS="B,H,T;..." picks the cells."""
+    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
+        "FOLD_CHAIN_CELLS", "2,16,8192;16,64,1024").split(";")]
+    tma_os = (False, True) if os.environ.get("FOLD_TMA_O", "0") == "1" else (False,)
+    for B, H, T in cells:
+        x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")
+        schedule, _ = two_phase._state_pass_schedules(B, T, H, 128, 1, False, None, x["q"].device)
+        launch = (schedule.table_on(x["q"].device), schedule.num_tiles, schedule.grid[0])
+        dummy = torch.empty((1, 1, 128, 128), dtype=torch.float32, device="cuda")
+        flags = two_phase.no_flags(x["q"].device)[:2]
+        for fold in (False, True):
+            two_phase.GDN_FOLD = fold
+            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=False)
+            two_phase.GDN_FOLD = False
+            terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
+            for tma_o in tma_os:
+                plain = two_phase.compile_state_pass(torch.bfloat16, False, False, False, raw_qk=True, fold=fold,
+                                                     tma_o=tma_o).fn
+                o = torch.empty_like(x["v"])
+                t = graph_us(lambda: plain(*terms, o, dummy, dummy, *launch, *flags))
+                fn = two_phase.compile_state_pass(torch.bfloat16, False, False, False, rs=True, profile=True,
+                                                  raw_qk=True, fold=fold, tma_o=tma_o).fn
+                t_prof, per_chunk_us, cyc = chain_profile(lambda *a: fn(*a, *flags), terms, x["v"], launch)
+                print(f"gdn state pass B={B} H={H} T={T} {'fold' if fold else 'w, u'}"
+                      f"{' tma_o' if tma_o else ''}: {t:.1f} us "
+                      f"({t * schedule.grid[0] / schedule.num_tiles / -(-T // 64):.2f} us/chunk/CTA) | profile "
+                      f"{per_chunk_us:.2f} us/chunk, cycles per chunk: wait+eg {cyc[0]:.0f}, products 1 {cyc[1]:.0f}, "
+                      f"v_new {cyc[2]:.0f}, issue 2+o {cyc[3]:.0f}, update wait {cyc[4]:.0f}", flush=True)
+
+
+MODES = {"fold-chain": time_fold_chain, "fold": time_fold, "balance": time_balance, "solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}
 
 

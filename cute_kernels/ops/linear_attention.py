@@ -353,7 +353,8 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
         return None
     key = (mode, scheduler if mode == "1" else None, B, T, H, cu, kda, init, AUTO_SEGMENTS, device,
            _two_phase_module().state_pair(), _merge.AFFINE_MERGE_IMPL, OVERLAP, _two_phase_module().KDA_ROW_ANCHORS,
-           _two_phase_module().GDN_RAW_QK, _two_phase_module().PREP_TRIO, _two_phase_module().OVERLAP_RAW)
+           _two_phase_module().GDN_RAW_QK, _two_phase_module().PREP_TRIO, _two_phase_module().OVERLAP_RAW,
+           _two_phase_module().GDN_FOLD, _two_phase_module().PREP_BALANCE)
     choice = _two_phase_plans.get(key)
     if choice is None:
         from schedulers import Problem, SegmentScheduler, segmented_cost_us
@@ -421,7 +422,7 @@ def _two_phase_forward(q, k, v, g, beta, scale, initial_state, o, final, cu, n, 
     prep = two_phase.prep_plan(B, T, H, cu, kda, q.dtype, beta.dtype, device).run(q, k, v, g32, beta, scale,
                                                                                    reuse=True)
     plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, initial_state is not None, final is not None, n, device,
-                                prep.raw)
+                                prep.raw, prep.fold)
     plan.run(prep, initial_state, o, final)
 
 

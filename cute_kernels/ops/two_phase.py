@@ -34,6 +34,11 @@ class PrepTerms:
     `raw` (GDN's phase 1 with GDN_RAW_QK): qg and kg are the caller's q and k themselves (no gated copies are
     written) and eg is [B, T, H, 4] fp32, every token holding (scale exp(G), exp(G_last - G), exp(G_last), 0) of
     its chunk; `gated()` gives the plain terms.
+
+    `fold` (GDN_FOLD): T is folded into the two products that read v_new = T R, R = v - diag(exp(G)) k S: w is the
+    caller's k, u the caller's v, kg holds W2 = T^T kg (kg = exp(G_last - G) k, the plain term) and aqk holds
+    A1 = Aqk T (rows as Aqk's); with `raw` eg's fourth factor is exp(G), and `gated()` keeps the fold (qg gated,
+    eg = exp(G) on every row).
     """
 
     qg: torch.Tensor
@@ -44,21 +49,26 @@ class PrepTerms:
     eg: torch.Tensor
     kda: bool
     raw: bool = False
+    fold: bool = False
 
     def gated(self) -> PrepTerms:
-        """The plain terms (qg, kg gated and rounded to their dtype, eg = exp(G_last) on every row): `self` unless
-        `raw`."""
+        """The plain terms (qg, kg gated and rounded to their dtype, eg = exp(G_last) on every row; `fold`: qg
+        gated, eg = exp(G) on every row, the rest as they are): `self` unless `raw`."""
         if not self.raw:
             return self
         f = self.eg.float()
         qg = (self.qg.float() * f[..., 0:1]).to(self.qg.dtype)
         kg = (self.kg.float() * f[..., 1:2]).to(self.kg.dtype)
+        if self.fold:
+            return replace(self, qg=qg, eg=f[..., 3].contiguous(), raw=False)
         return replace(self, qg=qg, kg=kg, eg=f[..., 2].contiguous(), raw=False)
 
 
-def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step: int = 32) -> PrepTerms:
+def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step: int = 32,
+                     fold: bool = False) -> PrepTerms:
     """Phase 1 in torch, fp32 (fixed-length [B, T, H, D] inputs, K = 128). Chunks are processed `chunks_per_step`
-    (x B x H) at a time to bound the [64, 64, K] pairwise decays of KDA."""
+    (x B x H) at a time to bound the [64, 64, K] pairwise decays of KDA. `fold` (GDN): the terms of
+    `PrepTerms.fold` (w = k, u = v, kg = W2 = T^T kg, aqk = A1 = Aqk T)."""
     from ..reference.linear_attention import _chunk_terms
 
     B, T, H, K = k.shape
@@ -90,6 +100,8 @@ def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step
             aqk = scale * (qs @ ks.transpose(-1, -2)) * t.decay
         parts = {"qg": scale * t.eG * qs, "w": t.w, "u": t.u, "kg": t.kg, "aqk": aqk,
                  "eg": t.eG if kda else t.eG[..., 0]}
+        if fold:
+            parts.update(w=ks, u=vs, kg=t.T.transpose(-1, -2) @ t.kg, aqk=aqk @ t.T)
         for name, x in parts.items():
             out[name].append(x.reshape(B, n, *x.shape[1:]))
 
@@ -100,7 +112,7 @@ def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step
 
     io = q.dtype
     return PrepTerms(tokens(out["qg"], io), tokens(out["w"], io), tokens(out["u"], io), tokens(out["kg"], io),
-                     tokens(out["aqk"], io), tokens(out["eg"], torch.float32), kda)
+                     tokens(out["aqk"], io), tokens(out["eg"], torch.float32), kda, fold=fold)
 
 
 # GDN's phase 1 in its `slim` form: two CTAs per SM (one q/k/v stage, 288 threads, ~95 KB of shared memory).
@@ -128,6 +140,18 @@ GDN_RAW_QK = os.environ.get("CUTE_KERNELS_GDN_RAW_QK", "1") == "1"
 # 151.6 -> 132.9 us at B=2 H=16 T=8192 and 151.9 -> 132.8 at B=8 H=8 T=4096 (the op 327.5 -> 309.1, 261.3 -> 244.9);
 # in one wave it was no faster (B=1 H=4 T=4096: 13.7 vs 14.0 us). CUTE_KERNELS_PREP_TRIO=0 turns it off.
 PREP_TRIO = os.environ.get("CUTE_KERNELS_PREP_TRIO", "1") == "1"
+
+# GDN_RAW_QK's two phases with T = (I + Akk)^-1 diag(beta) folded into the products that read v_new = T R,
+# R = v - diag(exp(G)) k S (`ChunkPrepSm90(fold=True)`, `ChunkStatePassSm90(fold=True)`): phase 1 writes W2 = T^T kg
+# and A1 = Aqk T instead of w, u and Aqk, and loads no v; the state pass reads k (for k S), v, W2 and A1, and its
+# chain keeps its shape. Per chunk and head 32 KB fewer through global memory (~168 -> ~136 KB).
+# CUTE_KERNELS_GDN_FOLD=1 turns it on.
+GDN_FOLD = os.environ.get("CUTE_KERNELS_GDN_FOLD", "0") == "1"
+
+
+def fold_path(kda: bool) -> bool:
+    """Whether the two-phase path runs GDN_FOLD's kernels (GDN_RAW_QK's, with T folded in)."""
+    return GDN_FOLD and raw_qk_path(kda)
 
 # Phase 1's solve with its doubling levels as tf32 tensor-core products (`ChunkPrepSm90(solve_mma=True)`: warp-level
 # mma.sync, operands rounded to nearest; GDN's slim / trio and KDA's row-anchored builds). H200, session 19
@@ -216,14 +240,16 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
                        prefetch: bool | None = None, slim: bool | None = None, dump_dir=None,
                        profile: bool = False, pdl: bool | None = None, publish: bool = False,
                        row_anchors: bool | None = None, tma_out: bool | None = None, raw_qk: bool | None = None,
-                       trio: bool | None = None, solve_mma: bool | None = None, secondary: bool = False):
+                       trio: bool | None = None, solve_mma: bool | None = None, secondary: bool = False,
+                       fold: bool = False):
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
     to the fused kernel's switches (KDA_VEC, KDA_PREFETCH), its `row_anchors` to KDA_ROW_ANCHORS (with `vec`),
     `tma_out` to PREP_TMA_OUT (with `row_anchors`, not `publish`);
     GDN's `slim` to PREP_SLIM, `raw_qk` to `raw_qk_path` (with `slim`; not by default with `publish`), `trio` to
     PREP_TRIO (with `raw_qk`; not by default with `publish`), `solve_mma` to PREP_SOLVE_MMA (with `slim` or
     `row_anchors`). `publish`: the overlapped path's build (persistent grid, per-chunk flags; see `OverlapPlan`);
-    `secondary`: launched as the state pass's programmatic dependent (GDN's raw overlapped path)."""
+    `secondary`: launched as the state pass's programmatic dependent (GDN's raw overlapped path); `fold`: GDN_FOLD's
+    terms (with `raw_qk`)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
     from . import linear_attention as la
 
@@ -237,7 +263,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     trio = raw_qk and ((PREP_TRIO and not publish) if trio is None else trio)
     solve_mma = (slim or row_anchors) and (PREP_SOLVE_MMA if solve_mma is None else solve_mma)
     key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, pdl, publish,
-           row_anchors, tma_out, raw_qk, trio, solve_mma, secondary)
+           row_anchors, tma_out, raw_qk, trio, solve_mma, secondary, fold)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -251,7 +277,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
         kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch, slim=slim,
                                profile=profile, pdl=pdl, publish=publish, row_anchors=row_anchors,
                                tma_out=tma_out, raw_qk=raw_qk, trio=trio, solve_mma=solve_mma,
-                               secondary=secondary)
+                               secondary=secondary, fold=fold)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         # KDA's g: 16-byte aligned (the ops check it; row_anchors prefetches it in 16-byte vectors)
         gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN),   # noqa: E731
@@ -335,9 +361,10 @@ _plans: dict = {}
 
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
-    PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the STATE_* switches of the state pass, the
+    PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the STATE_* switches of the state pass, the
     affine-merge variant setting, OVERLAP_RAW)."""
-    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE,
+    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, PREP_TRIO, PREP_SOLVE_MMA,
+            PREP_BALANCE,
             OVERLAP_RAW, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL,
             _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
@@ -348,10 +375,14 @@ def _cached_plan(cls, *key):
     return plan
 
 
-def allocate_terms(B, T, H, kda: bool, dtype, device, raw: bool = False) -> PrepTerms:
+def allocate_terms(B, T, H, kda: bool, dtype, device, raw: bool = False, fold: bool = False) -> PrepTerms:
     """Fresh (uninitialized) phase-1 terms of a [B, T, H, 128] call (`raw`: no qg, kg -- None until the call's q, k
-    take their places)."""
+    take their places; `fold`: W2 in kg, A1 in aqk, no w, u -- the call's k and v)."""
     aqk = torch.empty((B, T, H, C), dtype=dtype, device=device)
+    if fold:
+        w2 = torch.empty((B, T, H, 128), dtype=dtype, device=device)
+        eg = torch.empty((B, T, H, 4), dtype=torch.float32, device=device)
+        return PrepTerms(None, None, None, w2, aqk, eg, kda, raw=True, fold=True)
     if raw:
         w, u = torch.empty((2, B, T, H, 128), dtype=dtype, device=device).unbind(0)
         eg = torch.empty((B, T, H, 4), dtype=torch.float32, device=device)
@@ -379,19 +410,21 @@ class PrepPlan:
         seg = Segmentation([split_even(c, n) for c, n in zip(problem.chunks, self.tile_counts)])
         schedule = schedule_from_segmentation(problem, seg, "prep")
         self.raw = raw_qk_path(kda)
+        self.fold = fold_path(kda)
         # (CPU plans, the tests' emulated kernels: no SM count to ask, the base build)
         self.occupancy = (prep_occupancy(kda, schedule.num_tiles, _sm_count(device)) if device.type == "cuda"
                           else prep_ctas_per_sm(kda))
-        self.fn = (compile_chunk_prep(io, beta_dtype, kda, raw_qk=self.raw, trio=self.occupancy == 3).fn
-                   if T else None)
+        self.fn = (compile_chunk_prep(io, beta_dtype, kda, raw_qk=self.raw, trio=self.occupancy == 3,
+                                      fold=self.fold).fn if T else None)
         self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
         self.flag_args = no_flags(device)
         wide, eg_floats = (2, 4) if self.raw else (4, 128 if kda else 1)
+        wide = 1 if self.fold else wide   # fold: W2 only
         self.term_bytes = B * T * H * (wide * 128 * io.itemsize + C * io.itemsize + eg_floats * 4)
 
     def allocate(self, dtype) -> PrepTerms:
         """Fresh (uninitialized) terms for one call."""
-        return allocate_terms(*self.shape, self.kda, dtype, self.device, self.raw)
+        return allocate_terms(*self.shape, self.kda, dtype, self.device, self.raw, self.fold)
 
     def terms(self, dtype) -> PrepTerms:
         """The call's terms: small ones (host-bound calls: three allocations and the views cost ~13 us of a ~49 us
@@ -415,14 +448,21 @@ class PrepPlan:
         """Phase 1 into fresh terms, or (`reuse`: the op's own calls, whose terms die with the call) into
         `terms`'s workspace."""
         t = self.terms(q.dtype) if reuse else self.allocate(q.dtype)
-        if self.raw:   # the state pass reads q and k (the kernel writes neither); a plain constructor call, not
+        if self.fold:   # the state pass reads q, k and v (the kernel writes none of them; W2 leaves by its w output)
+            t = PrepTerms(q, k, v, t.kg, t.aqk, t.eg, t.kda, True, True)
+            outs = (q, t.kg, v, k)   # the kernel's qg, w, u, kg arguments
+        elif self.raw:   # the state pass reads q and k (the kernel writes neither); a plain constructor call, not
             # dataclasses.replace: this runs on every call of the op
             t = PrepTerms(q, t.w, t.u, k, t.aqk, t.eg, t.kda, True)
+            outs = (t.qg, t.w, t.u, t.kg)
+        else:
+            outs = (t.qg, t.w, t.u, t.kg)
         if _POISON_PREP:   # tests: every element the state pass reads must have been written
-            for x in (t.w, t.u, t.aqk, t.eg) + (() if self.raw else (t.qg, t.kg)):
+            written = (t.kg, t.aqk, t.eg) if self.fold else (t.w, t.u, t.aqk, t.eg) + (() if self.raw else (t.qg, t.kg))
+            for x in written:
                 x.fill_(float("nan"))
         if self.fn is not None:
-            self.fn(q, k, v, g32, beta, t.qg, t.w, t.u, t.kg, t.aqk, t.eg, *self.launch, scale, *self.flag_args)
+            self.fn(q, k, v, g32, beta, *outs, t.aqk, t.eg, *self.launch, scale, *self.flag_args)
         return t
 
 
@@ -488,9 +528,9 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
                        mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None,
                        profile: bool = False, ring_decay: bool | None = None, tma_o: bool | None = None,
                        u_fast: bool | None = None, pair: bool | None = None, pdl: bool | None = None,
-                       consume: bool = False, raw_qk: bool = False):
+                       consume: bool = False, raw_qk: bool = False, fold: bool = False):
     """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `raw_qk`: it reads q, k and
-    GDN_RAW_QK's [.., 4] eg (`PrepTerms.raw`); `rs` defaults to
+    GDN_RAW_QK's [.., 4] eg (`PrepTerms.raw`); `fold`: and v, W2, A1 (`PrepTerms.fold`); `rs` defaults to
     STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs). `profile`: the diagnostic build whose
     final_state argument receives per-CTA phase cycles (`ChunkStatePassSm90` docstring)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
@@ -503,7 +543,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     pair = (state_pair() and rs and ring_decay and not tma_o and not u_fast and not raw_qk) if pair is None else pair
     pdl = PDL if pdl is None else pdl
     key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
-           profile, ring_decay, tma_o, u_fast, pair, pdl, consume, raw_qk)
+           profile, ring_decay, tma_o, u_fast, pair, pdl, consume, raw_qk, fold)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -516,7 +556,8 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
         io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
                                     num_stages=num_stages, profile=profile, ring_decay=ring_decay, tma_o=tma_o,
-                                    u_fast=u_fast, pair=pair, pdl=pdl, consume=consume, raw_qk=raw_qk)
+                                    u_fast=u_fast, pair=pair, pdl=pdl, consume=consume, raw_qk=raw_qk,
+                                    fold=fold)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg
@@ -576,7 +617,7 @@ def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = F
     a summary launch (the affine maps a start state needs), `affine_merge` into the true start states, then the
     segments' outputs (an int for every sequence, or a list per sequence). Packed sequences: `cu_seqlens` as in
     `chunk_prep`. `out=(o, final_state)` writes into given tensors."""
-    B, T, H, K = prep.w.shape
+    B, T, H, K = prep.kg.shape
     V = prep.u.shape[-1]
     if K != 128 or V != 128:
         raise ValueError(f"state_pass supports K = V = 128 (compiled shapes), got K={K}, V={V}")
@@ -609,7 +650,7 @@ def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = F
     if max(counts, default=1) > 1 and V != 128:
         raise ValueError(f"the segmented state pass needs V = 128 (summaries are [128, 128]), got V={V}")
     plan = state_plan(B, T, H, cu, prep.kda, prep.u.dtype, initial_state is not None, final is not None,
-                      num_segments, device, prep.raw)
+                      num_segments, device, prep.raw, prep.fold)
     return plan.run(prep, initial_state, o, final)
 
 
@@ -618,7 +659,7 @@ class StatePlan:
     compiled kernels (forward, or summary + segment outputs), the tile tables on the device. `run` launches them
     (no checks: the caller has validated its tensors)."""
 
-    def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device, raw):
+    def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold=False):
         pair = state_pair() and not raw
         schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device, pair)
         self.init, self.device, self.split, self.pair = init, device, summ is not None, pair
@@ -626,15 +667,15 @@ class StatePlan:
         # an fp32 [1, 1, K, V] stand-in for a state the kernel neither reads nor writes (made here, not per call)
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
         if not self.split:
-            self.fn = compile_state_pass(io, kda, init, final, raw_qk=raw)
+            self.fn = compile_state_pass(io, kda, init, final, raw_qk=raw, fold=fold)
             return
         self.slots = schedule.segmentation.total_segments
         self.merge = _merge.affine_merge_starts_plan(len(schedule.seg_offsets) - 1, H, self.slots,
                                                      schedule.seg_offsets, init, device, pdl=PDL)
-        self.summary_fn = (compile_state_pass(io, kda, False, False, mode="summary", raw_qk=raw) if summ.num_tiles
-                           else None)
+        self.summary_fn = (compile_state_pass(io, kda, False, False, mode="summary", raw_qk=raw, fold=fold)
+                           if summ.num_tiles else None)
         self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0]) + no_flags(device)[:2]
-        self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs", raw_qk=raw)
+        self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs", raw_qk=raw, fold=fold)
 
     def run(self, prep: PrepTerms, initial_state, o, final):
         dummy = final if final is not None else self.dummy
@@ -642,7 +683,7 @@ class StatePlan:
         if not self.split:
             self.fn.fn(*terms, o, initial_state if self.init else dummy, dummy, *self.launch)
             return o, final
-        H = prep.w.shape[2]
+        H = prep.kg.shape[2]
         summary = torch.empty((2 * self.slots, H, 128, 128), dtype=torch.float32, device=self.device)
         if _POISON_SUMMARIES:   # unwritten slots must stay unread
             summary.fill_(float("nan"))
@@ -653,10 +694,13 @@ class StatePlan:
         return o, final
 
 
-def state_plan(B, T, H, cu, kda, io, init, final, num_segments, device, raw: bool | None = None) -> StatePlan:
-    """The cached StatePlan; `raw` (None: `raw_qk_path(kda)`, as phase 1's plan) for GDN_RAW_QK's terms."""
+def state_plan(B, T, H, cu, kda, io, init, final, num_segments, device, raw: bool | None = None,
+               fold: bool | None = None) -> StatePlan:
+    """The cached StatePlan; `raw` (None: `raw_qk_path(kda)`, as phase 1's plan) for GDN_RAW_QK's terms, `fold`
+    (None: `fold_path(kda)`) for GDN_FOLD's."""
     raw = raw_qk_path(kda) if raw is None else raw
-    return _cached_plan(StatePlan, B, T, H, cu, kda, io, init, final, num_segments, device, raw)
+    fold = fold_path(kda) if fold is None else fold
+    return _cached_plan(StatePlan, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold)
 
 
 class OverlapPlan:
@@ -828,7 +872,8 @@ def predicted_overlap_us(problem, kda: bool, slots: int) -> float:
 
 
 def state_pass_torch(prep: PrepTerms, initial_state=None):
-    """Phase 2's contract in torch (fp32, chunk by chunk), for CPU tests of phase 1 and of the kernel's math."""
+    """Phase 2's contract in torch (fp32, chunk by chunk), for CPU tests of phase 1 and of the kernel's math (also
+    of GDN_FOLD's terms: eg = exp(G) on every row)."""
     prep = prep.gated()
     B, T, H, K = prep.w.shape
     V = prep.u.shape[-1]
@@ -841,7 +886,10 @@ def state_pass_torch(prep: PrepTerms, initial_state=None):
         L = t1 - t0
         w, u, qg, kg = f(prep.w, t0, t1), f(prep.u, t0, t1), f(prep.qg, t0, t1), f(prep.kg, t0, t1)
         aqk = f(prep.aqk, t0, t1)[..., :L]
-        v_new = u - w @ S
+        if prep.fold:   # w = k, u = v, kg = W2, aqk = A1: R = v - diag(exp(G)) k S stands in for v_new
+            v_new = u - prep.eg[:, t0:t1].float().transpose(1, 2)[..., None] * (w @ S)
+        else:
+            v_new = u - w @ S
         o[:, t0:t1] = (qg @ S + aqk @ v_new).transpose(1, 2)
         decay = prep.eg[:, t1 - 1].float()   # [B, H] or [B, H, K]
         S = (decay[..., None] if prep.kda else decay[..., None, None]) * S + kg.transpose(-1, -2) @ v_new

@@ -259,6 +259,7 @@ class _ChunkTerms:
     u: torch.Tensor  # [n, H, L, V]
     kg: torch.Tensor  # exp(G_last - G) * k: [n, H, L, K]
     decay_last: torch.Tensor  # exp(G_last): [n, H] (GDN) or [n, H, K] (KDA)
+    T: torch.Tensor  # (I + Akk)^-1 Diag(b): [n, H, L, L]
 
 
 def _chunk_terms(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, kda: bool) -> _ChunkTerms:
@@ -295,7 +296,7 @@ def _chunk_terms(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.
     Tm = torch.linalg.solve_triangular(eye + Akk, torch.diag_embed(beta), upper=False, unitriangular=True)
     w = Tm @ (eG * k)
     u = Tm @ v
-    return _ChunkTerms(decay=decay, eG=eG, w=w, u=u, kg=kg, decay_last=G_last.exp())
+    return _ChunkTerms(decay=decay, eG=eG, w=w, u=u, kg=kg, decay_last=G_last.exp(), T=Tm)
 
 
 def _decay_by_last(S: torch.Tensor, decay_last: torch.Tensor, kda: bool) -> torch.Tensor:

@@ -48,6 +48,12 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     Xk tile (written only after the solve's last use of it); one more consumer barrier after step 1's products
     (consumer 0 writes Akk once consumer 1's product has read q). 75.8 KB of shared memory, at most 72 registers.
 
+    `fold` (with `raw_qk`): v is not loaded and neither w nor u is formed. The solve's second output is Xf =
+    diag(2^(G_last - G)) X diag(beta) (rows scaled, instead of Xk's columns), and step 3 forms W2 = Xf^T k (consumer
+    j: columns [64 j, 64 j + 64), into the w output) and A1 = Aqk Xv (consumer 0, into the aqk output, instead of
+    Aqk); eg's fourth factor is 2^G_r. `ChunkStatePassSm90(fold=True)` reads them with q, k and v. Per chunk and
+    head, 16 KB read (v) and 16 KB written (u) fewer.
+
     `pdl`: every CTA starts with `griddepcontrol.launch_dependents`, so a state pass launched with PDL starts its
     prologue once this grid's last wave has begun (it waits for the whole grid before reading the terms).
 
@@ -97,7 +103,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
                  prefetch_gates: bool = False, slim: bool = False, profile: bool = False, pdl: bool = False,
                  publish: bool = False, row_anchors: bool = False, tma_out: bool = False, raw_qk: bool = False,
-                 trio: bool = False, solve_mma: bool = False, secondary: bool = False):
+                 trio: bool = False, solve_mma: bool = False, secondary: bool = False, fold: bool = False):
         super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
                          vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
         if slim and kda:
@@ -114,6 +120,12 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         if trio and not raw_qk:
             raise ValueError("ChunkPrepSm90: trio (three CTAs per SM) is the raw_qk build's")
         self.trio = trio
+        if fold and (not raw_qk or publish):
+            raise ValueError("ChunkPrepSm90: fold is the raw_qk build's, without publish")
+        self.fold = fold
+        if fold:
+            self.load_v = False
+            self.tma_bytes = 2 * C * 128 * io_dtype.width // 8
         if solve_mma and not (slim or row_anchors):
             raise ValueError("ChunkPrepSm90: solve_mma is the slim (GDN) and row-anchored (KDA) builds' option")
         self.solve_mma = solve_mma
@@ -533,24 +545,36 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
 
                 # -- 2. X = (I + Akk)^-1 -> Xv = X diag(beta), GDN: Xk = X diag(beta 2^G)
                 # the profile build stamps the solve's levels (`solve_stamp` is a no-op without `prof`)
-                self.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG, prof if self.profile else None)
+                self.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG, prof if self.profile else None,
+                                   sEGL if self.fold else None)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 self.stamp(prof, 4)
 
-                # -- 3. w and u, V columns [v0, v0 + 64) of this consumer -> smem
-                if cutlass.const_expr(kda):
-                    self.gemm(wtid, acc, sXv, cute.local_tile(sKb_mn, (HALF, C), (j, 0)), False, True, False)
+                # -- 3. w and u, V columns [v0, v0 + 64) of this consumer -> smem (fold: W2's columns, and A1)
+                if cutlass.const_expr(self.fold):
+                    sXf_t = self.view(st.sXk, C, C, 1, True)[None, None, 0]   # (i, r): Xf^T
+                    self.gemm(wtid, acc, sXf_t, cute.local_tile(sK_mn[None, None, stage], (HALF, C), (j, 0)),
+                              True, True, False)
+                    self.store_acc(wtid, mma64, acc, sW_j)
+                    if j == 0:
+                        self.gemm(wtid, acc, sAqk, self.view(st.sXv, C, C, 1, True)[None, None, 0], False, True,
+                                  False)
+                        self.store_acc(wtid, mma64, acc, sU_j)
+                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 else:
-                    self.gemm(wtid, acc, sXk, cute.local_tile(sK_mn[None, None, stage], (HALF, C), (j, 0)),
+                    if cutlass.const_expr(kda):
+                        self.gemm(wtid, acc, sXv, cute.local_tile(sKb_mn, (HALF, C), (j, 0)), False, True, False)
+                    else:
+                        self.gemm(wtid, acc, sXk, cute.local_tile(sK_mn[None, None, stage], (HALF, C), (j, 0)),
+                                  False, True, False)
+                    self.store_acc(wtid, mma64, acc, sW_j)
+                    self.gemm(wtid, acc, sXv, cute.local_tile(sV_mn[None, None, stage], (HALF, C), (j, 0)),
                               False, True, False)
-                self.store_acc(wtid, mma64, acc, sW_j)
-                self.gemm(wtid, acc, sXv, cute.local_tile(sV_mn[None, None, stage], (HALF, C), (j, 0)),
-                          False, True, False)
-                self.store_acc(wtid, mma64, acc, sU_j)
-                if cutlass.const_expr(self.tma_out):
-                    cute.arch.fence_proxy("async.shared", space="cta")   # w, u -> the TMA stores' reads
-                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                    self.store_acc(wtid, mma64, acc, sU_j)
+                    if cutlass.const_expr(self.tma_out):
+                        cute.arch.fence_proxy("async.shared", space="cta")   # w, u -> the TMA stores' reads
+                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 self.stamp(prof, 5)
 
                 # -- 4. the terms -> global (rows < L)
@@ -565,6 +589,10 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                             q_store_scale = Float32(1.0)   # the factor pass scaled q
                         self.store_terms(j, ctid, wtid, L, stage, sQ, sK, sW_j, sU_j, sAqk, sEG, sEGL, mQg, mW, mU,
                                          mKg, mA, t0, head, v0, q_store_scale, scale)
+                elif cutlass.const_expr(self.fold):
+                    self.store_rows(wtid, sW_j, mW, t0, head, v0, L)
+                    if j == 0:
+                        self.store_rows(wtid, sU_j, mA, t0, head, 0, L)
                 else:
                     self.store_terms(j, ctid, wtid, L, stage, sQ, sK, sW_j, sU_j, sAqk, sEG, sEGL, mQg, mW, mU, mKg,
                                      mA, t0, head, v0, scale, scale)
@@ -580,6 +608,8 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                         f4[1] = sEGL[ctid]
                         f4[2] = sEG[L - 1]
                         f4[3] = Float32(0.0)
+                        if cutlass.const_expr(self.fold):
+                            f4[3] = sEG[ctid]
                         cute.autovec_copy(f4, mEg[t0 + ctid, head, None])
                 else:
                     if ctid == 0:

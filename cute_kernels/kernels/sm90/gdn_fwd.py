@@ -130,6 +130,7 @@ class ChunkGatedDeltaRuleFwdSm90:
         self.num_stages = 1 if kda else NUM_STAGES
         self.num_threads = 384
         self.tma_bytes = 3 * C * 128 * io_dtype.width // 8
+        self.load_v = True   # ChunkPrepSm90(fold=True) loads only q and k
 
     # ------------------------------------------------------------------ host side
 
@@ -265,7 +266,10 @@ class ChunkGatedDeltaRuleFwdSm90:
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
                 load.producer_acquire(state)
                 bar = load.producer_get_barrier(state)
-                for tma, m, s in ((tma_q, mQ, sQ), (tma_k, mK, sK), (tma_v, mV, sV)):
+                tiles = ((tma_q, mQ, sQ), (tma_k, mK, sK), (tma_v, mV, sV))
+                if cutlass.const_expr(not self.load_v):
+                    tiles = tiles[:2]
+                for tma, m, s in tiles:
                     g_head = cute.domain_offset((tok0 + c * C, 0), m[None, None, head])
                     g_tile = cute.local_tile(g_head, (C, 128), (0, 0))
                     s_part, g_part = cpasync.tma_partition(
@@ -892,7 +896,7 @@ class ChunkGatedDeltaRuleFwdSm90:
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
     @cute.jit
-    def solve_blocked(self, ctid, sAkk, sY, sXv, sXk, sBeta, sEG, prof=None):
+    def solve_blocked(self, ctid, sAkk, sY, sXv, sXk, sBeta, sEG, prof=None, sRow=None):
         """X = (I + A)^-1 for strictly-lower A [64, 64] (fp32 smem), 256 threads, by recursive doubling.
 
         Level 0: each 16 x 16 diagonal block by right-looking substitution (64 threads, one column each).
@@ -905,7 +909,8 @@ class ChunkGatedDeltaRuleFwdSm90:
         the A buffer, so A stays readable throughout. Ends with
         Xv = X diag(beta) and (GDN) Xk = X diag(beta 2^G) in bf16, 16-byte stores. Spec (same steps, CPU-tested):
         cute_kernels/reference/blocked_solve.py. `prof` (the prep kernel's profile build): cycles of level 0, level
-        16, level 32 and the 16-bit stores are added to prof[10 .. 13] (prof[7]: the last stamp).
+        16, level 32 and the 16-bit stores are added to prof[10 .. 13] (prof[7]: the last stamp). `sRow` given
+        (GDN, `ChunkPrepSm90(fold=True)`): the second output is diag(sRow) X diag(beta) instead of Xk.
         """
         io = self.io_dtype
         if ctid < C:
@@ -946,7 +951,12 @@ class ChunkGatedDeltaRuleFwdSm90:
                 xb[e] = xv * fb[e]
                 yv[e] = io(xb[e])
             cute.autovec_copy(yv, cute.local_tile(sXv[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
-            if cutlass.const_expr(not self.kda):
+            if cutlass.const_expr(sRow is not None):
+                fr = sRow[r]
+                for e in cutlass.range_constexpr(8):
+                    yk[e] = io(xb[e] * fr)
+                cute.autovec_copy(yk, cute.local_tile(sXk[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
+            elif cutlass.const_expr(not self.kda):
                 cute.autovec_copy(cute.local_tile(sEG, (8,), (cute.assume(i0, divby=8) // 8,)), fb)
                 for e in cutlass.range_constexpr(8):
                     yk[e] = io(xb[e] * fb[e])

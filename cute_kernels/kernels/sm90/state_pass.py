@@ -82,6 +82,13 @@ class ChunkStatePassSm90:
     S^T q^T, and the state update uses a second 16-bit copy of v_new^T whose column n is scaled by the second:
     S^T <- S^T 2^G_last + (v_new^T diag(2^(G_last - G))) k.
 
+    `fold` (with raw_qk, GDN_FOLD): phase 1 folded each chunk's T = (I + Akk)^-1 diag(beta) into the two
+    products that read v_new = T R, R = v - diag(2^G) k S: the w argument is then the caller's k, u the caller's
+    v, kg holds W2 = T^T diag(2^(G_last - G)) k and aqk holds A1 = Aqk T; eg's fourth factor is 2^G_r. The chain
+    keeps its shape: P^T = S^T k^T (in w's place), R^T = v^T - P^T diag(2^G) (the fourth factors from the ring
+    stage), then o^T += R^T A1^T and S^T <- S^T 2^G_last + R^T W2 (no per-token factor on the update's operand).
+    Phase 1 then loads no v and writes no u (per chunk and head 16 KB read and 16 KB written fewer).
+
     `pdl`: launched with programmatic dependent launch: every thread runs `griddepcontrol.wait` after the
     barrier setup, before any global read (phase 1's terms, the merge's start states), then
     `griddepcontrol.launch_dependents` so the next launch can start its own prologue.
@@ -113,7 +120,7 @@ class ChunkStatePassSm90:
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                  mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False,
                  ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False, pair: bool = False,
-                 pdl: bool = False, consume: bool = False, raw_qk: bool = False):
+                 pdl: bool = False, consume: bool = False, raw_qk: bool = False, fold: bool = False):
         if mode not in ("forward", "segment_outputs", "summary"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
         if num_stages < 1:
@@ -145,6 +152,9 @@ class ChunkStatePassSm90:
         if raw_qk and (kda or not (rs and ring_decay) or pair):
             raise ValueError("raw_qk is GDN's, with rs=True and ring_decay=True, without pair")
         self.raw_qk = raw_qk
+        if fold and not raw_qk:
+            raise ValueError("fold is the raw_qk build's option")
+        self.fold = fold
         self.num_consumers = 2 if pair else 1
         self.num_threads = 128 * (1 + self.num_consumers)
         self.u_cols = V_BLOCK * self.num_consumers   # u columns per ring stage (pair: both V blocks)
@@ -346,7 +356,10 @@ class ChunkStatePassSm90:
                         load.sync_object_empty.wait(state.index, state.phase)
                         for j in cutlass.range_constexpr(2):
                             sEg[lane + 32 * j, state.index] = f[0, j]
-                            sEg[C + lane + 32 * j, state.index] = f[1, j]
+                            if cutlass.const_expr(self.fold):   # R = v - diag(2^G) k S: 2^G instead
+                                sEg[C + lane + 32 * j, state.index] = f[3, j]
+                            else:
+                                sEg[C + lane + 32 * j, state.index] = f[1, j]
                         if lane == 0:
                             sEg[2 * C, state.index] = dl
                     else:
@@ -472,7 +485,7 @@ class ChunkStatePassSm90:
 
     def eg_slot(self) -> int:
         """ring_decay: floats per ring stage of sEg -- 128 (KDA: the 128 decays; GDN: its one decay in slot 0), or
-        with raw_qk 132 (64 o factors, 64 kg factors, the decay, padding)."""
+        with raw_qk 132 (64 o factors, 64 kg factors -- fold: 64 factors 2^G --, the decay, padding)."""
         return 2 * C + 4 if self.raw_qk else K_DIM
 
     @cute.jit
@@ -606,13 +619,17 @@ class ChunkStatePassSm90:
                     for i in cutlass.range_constexpr(cute.size(acc_o)):   # o^T's column n: times scale 2^G_n
                         _, n = cc_t[i]
                         acc_o[i] = acc_o[i] * sEg[n, stage]
+                if cutlass.const_expr(self.fold):   # R^T = v^T - P^T diag(2^G)
+                    for i in cutlass.range_constexpr(cute.size(acc_v)):
+                        _, n = cc_t[i]
+                        acc_v[i] = acc_v[i] * sEg[C + n, stage]
                 if cutlass.const_expr(self.u_fast):
                     self.sub_u_fast(acc_v, cc_t, uflat, stage, wtid, is_m, L)
                 else:
                     self.sub_u(acc_v, cc_t, sU, V_BLOCK * j, stage, is_m, L, True)
                 rV = wt.acc_to_a(io, acc_v)
                 rVk = rV   # the state update's A operand
-                if cutlass.const_expr(self.raw_qk):
+                if cutlass.const_expr(self.raw_qk and not self.fold):
                     for i in cutlass.range_constexpr(cute.size(acc_v)):   # column n: times 2^(G_last - G_n)
                         _, n = cc_t[i]
                         acc_v[i] = acc_v[i] * sEg[C + n, stage]

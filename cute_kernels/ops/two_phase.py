@@ -361,8 +361,8 @@ _plans: dict = {}
 
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
-    PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the STATE_* switches of the state pass, the
-    affine-merge variant setting, OVERLAP_RAW)."""
+    PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the STATE_* switches of the state
+    pass, the affine-merge variant setting, OVERLAP_RAW)."""
     full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, PREP_TRIO, PREP_SOLVE_MMA,
             PREP_BALANCE,
             OVERLAP_RAW, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL,
@@ -450,15 +450,13 @@ class PrepPlan:
         t = self.terms(q.dtype) if reuse else self.allocate(q.dtype)
         if self.fold:   # the state pass reads q, k and v (the kernel writes none of them; W2 leaves by its w output)
             t = PrepTerms(q, k, v, t.kg, t.aqk, t.eg, t.kda, True, True)
-            outs = (q, t.kg, v, k)   # the kernel's qg, w, u, kg arguments
         elif self.raw:   # the state pass reads q and k (the kernel writes neither); a plain constructor call, not
             # dataclasses.replace: this runs on every call of the op
             t = PrepTerms(q, t.w, t.u, k, t.aqk, t.eg, t.kda, True)
-            outs = (t.qg, t.w, t.u, t.kg)
-        else:
-            outs = (t.qg, t.w, t.u, t.kg)
+        outs = (q, t.kg, v, k) if self.fold else (t.qg, t.w, t.u, t.kg)   # the kernel's qg, w, u, kg arguments
         if _POISON_PREP:   # tests: every element the state pass reads must have been written
-            written = (t.kg, t.aqk, t.eg) if self.fold else (t.w, t.u, t.aqk, t.eg) + (() if self.raw else (t.qg, t.kg))
+            written = ((t.kg, t.aqk, t.eg) if self.fold
+                       else (t.w, t.u, t.aqk, t.eg) + (() if self.raw else (t.qg, t.kg)))
             for x in written:
                 x.fill_(float("nan"))
         if self.fn is not None:

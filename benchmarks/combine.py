@@ -14,6 +14,12 @@ from pathlib import Path
 from benchmarks import grids, report
 
 
+def _label(value):
+    """A part's setting without its parenthesized note: "f (AUTO_SEGMENTS: ...)" and "f" name the same function
+    (the note was dropped from the label when the cost model became the default)."""
+    return value.split(" (")[0] if isinstance(value, str) else value
+
+
 def combine(parts: list[dict]) -> tuple[dict, list[dict]]:
     if not parts:
         raise ValueError("no parts given")
@@ -21,8 +27,9 @@ def combine(parts: list[dict]) -> tuple[dict, list[dict]]:
     meta = {k: v for k, v in parts[0].items() if k != "rows"}
     for p in parts[1:]:
         for k in keys:
-            if p.get(k) != meta.get(k):
+            if _label(p.get(k)) != _label(meta.get(k)):
                 raise ValueError(f"parts differ in {k!r}: {meta.get(k)!r} vs {p.get(k)!r}")
+    meta["ours"] = parts[-1].get("ours")
     cells = {}
     for p in parts:
         for row in p["rows"]:

@@ -290,6 +290,13 @@ def test_combine_parts(tmp_path):
 
     with pytest.raises(ValueError, match="differ in 'op'"):
         combine.combine([report.read_json(p1), report.read_json(p3)])
+    # a label's parenthesized note does not make a different function; the last part's label is kept
+    noted = report.write_json(tmp_path / "d.json", dict(base, ours="x (AUTO_SEGMENTS: cost model)"), [row(1, 4, 64, 5.0)])
+    meta, rows = combine.combine([report.read_json(noted), report.read_json(p1)])
+    assert meta["ours"] == "x" and len(rows) == 3
+    renamed = report.write_json(tmp_path / "e.json", dict(base, ours="y (x)"), [row(1, 4, 64, 5.0)])
+    with pytest.raises(ValueError, match="differ in 'ours'"):
+        combine.combine([report.read_json(p1), report.read_json(renamed)])
 
 
 def test_select_cells_lists_and_ranges():

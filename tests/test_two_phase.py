@@ -383,15 +383,18 @@ class StatePassEmulator:
     """What one launch of ChunkStatePassSm90 does, tile by tile, in float64 (the kernel's contract; `pair`: a
     tile's block b covers the 64-column blocks 2 b and 2 b + 1)."""
 
-    def __init__(self, kda, has_initial_state, store_final_state, mode):
-        self.kda, self.init, self.final, self.mode = kda, has_initial_state, store_final_state, mode
+    def __init__(self, kda, has_initial_state, store_final_state, mode, fold=False):
+        self.kda, self.init, self.final, self.mode, self.fold = kda, has_initial_state, store_final_state, mode, fold
         self.pair = two_phase.state_pair()
 
     def fn(self, qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, grid, flags=None, chunks_per_seq=0):
         from schedulers import TILE_FIELDS
 
         qg, w, u, kg, aqk, eg, o = (x.flatten(0, 1) for x in (qg, w, u, kg, aqk, eg, o))
-        if not self.kda and eg.dim() == 3:   # GDN_RAW_QK's terms: q, k and (scale 2^G, 2^(G_L - G), 2^G_L, 0)
+        e_k = None   # GDN_FOLD: w = k, u = v, kg = W2, aqk = A1, and R = v - diag(2^G) k S stands in for v_new
+        if not self.kda and eg.dim() == 3 and self.fold:   # eg: (scale 2^G, 2^(G_L - G), 2^G_L, 2^G)
+            qg, e_k, eg = qg.double() * eg[..., 0:1], eg[..., 3].double(), eg[..., 2]
+        elif not self.kda and eg.dim() == 3:   # GDN_RAW_QK's terms: q, k and (scale 2^G, 2^(G_L - G), 2^G_L, 0)
             qg, kg, eg = qg.double() * eg[..., 0:1], kg.double() * eg[..., 1:2], eg[..., 2]
         col = {f: i for i, f in enumerate(TILE_FIELDS)}
         n_vb = o.shape[-1] // 64
@@ -412,7 +415,8 @@ class StatePassEmulator:
                 c1 = min(c0 + 64, b)
                 L = c1 - c0
                 U = torch.zeros(L, 64).double() if is_m else u[c0:c1, h, cols].double()
-                v_new = U - w[c0:c1, h].double() @ S
+                kS = w[c0:c1, h].double() @ S
+                v_new = U - (kS if e_k is None else e_k[c0:c1, h, None] * kS)
                 if self.mode != "summary":
                     o[c0:c1, h, cols] = (qg[c0:c1, h].double() @ S + aqk[c0:c1, h, :L].double() @ v_new).to(o.dtype)
                 d = eg[c1 - 1, h].double()
@@ -432,7 +436,7 @@ def emulated_state_pass(monkeypatch):
     def fake_compile(io_dtype, kda, has_initial_state, store_final_state, mode="forward", dump_dir=None,
                      raw_qk=False, fold=False):
         calls.append(mode)
-        return StatePassEmulator(kda, has_initial_state, store_final_state, mode)
+        return StatePassEmulator(kda, has_initial_state, store_final_state, mode, fold)
 
     def fake_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_only=False):
         # Slots the kernel never reads (first M without an initial state, last summaries) may hold the poison.
@@ -480,10 +484,11 @@ def test_segmented_state_pass_orchestration(emulated_state_pass, kda, num_segmen
 
 class PrepEmulator:
     """ChunkPrepSm90's contract on the CPU: chunk_prep_torch per sequence, written into the output tensors (GDN with
-    a [.., 4] eg: GDN_RAW_QK's, qg and kg are the inputs q and k and stay unwritten)."""
+    a [.., 4] eg: GDN_RAW_QK's, qg and kg are the inputs q and k and stay unwritten; `fold`, GDN_FOLD's: W2 leaves by
+    the w argument, A1 by aqk, eg's fourth factor is 2^G, and u is the input v)."""
 
-    def __init__(self, kda, cu):
-        self.kda, self.cu = kda, cu
+    def __init__(self, kda, cu, fold=False):
+        self.kda, self.cu, self.fold = kda, cu, fold
 
     def fn(self, q, k, v, g, beta, qg, w, u, kg, aqk, eg, tiles, num_tiles, grid, scale, flags=None,
            chunks_per_seq=0, consumers=0):
@@ -493,14 +498,15 @@ class PrepEmulator:
             if e == a:
                 continue
             sl = lambda x: x[b:b + 1, a:e]   # noqa: E731
-            p = two_phase.chunk_prep_torch(sl(q), sl(k), sl(v), sl(g), sl(beta), scale, kda=self.kda)
+            p = two_phase.chunk_prep_torch(sl(q), sl(k), sl(v), sl(g), sl(beta), scale, kda=self.kda, fold=self.fold)
             if not self.kda and eg.dim() == 4:
-                for name, dst in (("w", w), ("u", u), ("aqk", aqk)):
+                outputs = (("kg", w), ("aqk", aqk)) if self.fold else (("w", w), ("u", u), ("aqk", aqk))
+                for name, dst in outputs:
                     dst[b:b + 1, a:e] = getattr(p, name)
                 eG = p.eg[0]   # exp(G) of every token, [L, H]
                 last = torch.tensor([min(t - t % 64 + 63, e - a - 1) for t in range(e - a)])
-                f = torch.stack([scale * eG, eG[last] / eG, eG[last], torch.zeros_like(eG)], -1)
-                eg[b, a:e] = f
+                fourth = eG if self.fold else torch.zeros_like(eG)
+                eg[b, a:e] = torch.stack([scale * eG, eG[last] / eG, eG[last], fourth], -1)
             else:
                 for name, dst in (("qg", qg), ("w", w), ("u", u), ("kg", kg), ("aqk", aqk), ("eg", eg)):
                     dst[b:b + 1, a:e] = getattr(p, name)
@@ -522,7 +528,7 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segm
     monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
     la._two_phase_plans.clear()
     cu = (0, 100, 100, 1000, 1300) if varlen else None
-    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, cu))
+    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, cu, kw.get("fold")))
     gen = torch.Generator().manual_seed(11 + kda + 2 * varlen)
     B, T = (1, 1300) if varlen else (2, 700)
     q, k, v, g, beta, _ = make(B, T, 2, kda, gen, dtype=torch.bfloat16)
@@ -549,7 +555,7 @@ def test_two_phase_op_writes_into_out(emulated_state_pass, monkeypatch):
     monkeypatch.setattr(la, "_sm_count", lambda device: 132)
     monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
     monkeypatch.setattr(la, "_two_phase_plans", {})
-    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, None))
+    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, None, kw.get("fold")))
     gen = torch.Generator().manual_seed(5)
     q, k, v, g, beta, init = make(2, 300, 2, False, gen, dtype=torch.bfloat16)
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
@@ -591,7 +597,7 @@ def test_overlap_plan_and_choice(monkeypatch):
     import cute_kernels.ops.linear_attention as la
 
     monkeypatch.setattr(two_phase, "_plans", {})
-    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, None))
+    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, None, kw.get("fold")))
     monkeypatch.setattr(two_phase, "compile_state_pass", lambda *a, **kw: PrepEmulator(False, None))
     cpu = torch.device("cpu")
     plan = two_phase.overlap_plan(2, 1000, 3, False, torch.bfloat16, torch.bfloat16, True, True, cpu, 132)
@@ -730,7 +736,7 @@ def test_eager_fused_call_builds_the_graph_paths_plans(emulated_state_pass, monk
     monkeypatch.setattr(la, "_sm_count", lambda device: 132)
     monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
     monkeypatch.setattr(la, "_two_phase_plans", {})
-    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, None))
+    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, None, kw.get("fold")))
     fused_calls = []
 
     class FusedStub:

@@ -145,8 +145,12 @@ PREP_TRIO = os.environ.get("CUTE_KERNELS_PREP_TRIO", "1") == "1"
 # R = v - diag(exp(G)) k S (`ChunkPrepSm90(fold=True)`, `ChunkStatePassSm90(fold=True)`): phase 1 writes W2 = T^T kg
 # and A1 = Aqk T instead of w, u and Aqk, and loads no v; the state pass reads k (for k S), v, W2 and A1, and its
 # chain keeps its shape. Per chunk and head 32 KB fewer through global memory (~168 -> ~136 KB).
-# CUTE_KERNELS_GDN_FOLD=1 turns it on.
-GDN_FOLD = os.environ.get("CUTE_KERNELS_GDN_FOLD", "0") == "1"
+# Measured (H200, session 22, `scripts/time_two_phase.py fold`): phase 1 130.3 -> 117.1 us at B=2 H=16 T=8192,
+# 42.3 -> 39.2 at B=1 H=4 T=16384, but 1744 -> 1747 at B=16 H=64 T=4096 (predicted ~1250: at three CTAs per SM on a
+# large grid phase 1 is bound by its instructions, not its bytes); the op 1-3% faster on all three (3487 -> 3459,
+# 304 -> 296, 127 -> 125 us), the state pass a little faster too. The phase-1 cost constants stay (within ~2% at the
+# large grids the path choice depends on). CUTE_KERNELS_GDN_FOLD=0 turns it off.
+GDN_FOLD = os.environ.get("CUTE_KERNELS_GDN_FOLD", "1") == "1"
 
 
 def fold_path(kda: bool) -> bool:

@@ -61,6 +61,18 @@ def test_fold_terms_match_reference(T):
     assert rel_err(o, want_o) < 1e-4 and rel_err(s, want_s) < 1e-4
 
 
+def test_fold_path_only_with_the_gpu_run_state_pass(monkeypatch):
+    """GDN_FOLD runs only with the state-pass build it was measured with on the H200 (and never for KDA)."""
+    for name, value in (("GDN_FOLD", True), ("STATE_STAGES", 2), ("STATE_O_TMA", False), ("STATE_U_FAST", False)):
+        monkeypatch.setattr(two_phase, name, value)
+    assert two_phase.fold_path(False) and not two_phase.fold_path(True)
+    for name, value in (("STATE_STAGES", 3), ("STATE_O_TMA", True), ("STATE_U_FAST", True), ("GDN_FOLD", False),
+                        ("GDN_RAW_QK", False)):
+        with monkeypatch.context() as m:
+            m.setattr(two_phase, name, value)
+            assert not two_phase.fold_path(False), name
+
+
 def test_state_pass_rejects_bad_terms():
     gen = torch.Generator().manual_seed(0)
     q, k, v, g, beta, _ = make(1, 64, 1, False, gen)

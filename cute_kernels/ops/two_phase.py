@@ -154,8 +154,10 @@ GDN_FOLD = os.environ.get("CUTE_KERNELS_GDN_FOLD", "1") == "1"
 
 
 def fold_path(kda: bool) -> bool:
-    """Whether the two-phase path runs GDN_FOLD's kernels (GDN_RAW_QK's, with T folded in)."""
-    return GDN_FOLD and raw_qk_path(kda)
+    """Whether the two-phase path runs GDN_FOLD's kernels (GDN_RAW_QK's, with T folded in): only with the state
+    pass build the fold was run with on the H200 (two ring stages, o from registers, u by the swizzled reads);
+    STATE_STAGES = 3, STATE_O_TMA or STATE_U_FAST keep w and u until their fold builds have run on a GPU."""
+    return (GDN_FOLD and raw_qk_path(kda) and STATE_STAGES == 2 and not STATE_O_TMA and not STATE_U_FAST)
 
 # Phase 1's solve with its doubling levels as tf32 tensor-core products (`ChunkPrepSm90(solve_mma=True)`: warp-level
 # mma.sync, operands rounded to nearest; GDN's slim / trio and KDA's row-anchored builds). H200, session 19

@@ -18,6 +18,7 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py balance    # GDN phase 1 on two-chunk tiles vs PREP_BALANCE's one wave, then the op
     python3 scripts/time_two_phase.py fold       # GDN's terms w, u vs GDN_FOLD's W2, A1: phase 1 alone, then the op
     python3 scripts/time_two_phase.py fold-chain # the state pass on w, u vs GDN_FOLD's terms: time, profile phases
+    python3 scripts/time_two_phase.py pair-auto  # multi-wave state passes: one-block vs `pair` tiles, then the op
 """
 
 import dataclasses
@@ -265,13 +266,13 @@ def time_pair():
             chunks = -(-T // 64)
             for n in ns:
                 line, outs = [], []
-                for name, pair in (("one block", False), ("pair", True)):
+                for name, pair in (("one block", "0"), ("pair", "1")):
                     two_phase.STATE_PAIR = pair
                     t = graph_us(lambda: two_phase.state_pass(prep, None, True, num_segments=n))
                     o, s = two_phase.state_pass(prep, None, True, num_segments=n)
                     outs.append((o.clone(), s.clone()))
                     line.append(f"{name} {t:.1f} us ({t / chunks * n:.2f}/chunk)")
-                two_phase.STATE_PAIR = False
+                two_phase.STATE_PAIR = "0"
                 same = all(torch.equal(a, b) for x in outs[1:] for a, b in zip(outs[0], x))
                 nan = any(y.isnan().any().item() for x in outs for y in x)
                 print(f"{op} state pass B={B} H={H} T={T} N={n}: " + " | ".join(line)
@@ -281,13 +282,44 @@ def time_pair():
         for B, H, T, _ in cells:
             x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
             line = []
-            for pair in (False, True):
+            for pair in ("0", "1"):
                 two_phase.STATE_PAIR = pair
                 t = graph_us(lambda: ops.call_ours(op, ours, x), calls=3, reps=3)
                 plan = la.last_plan() if hasattr(la, "last_plan") else None
-                line.append(f"{'pair' if pair else 'one block'} {t:.1f} us ({plan})")
-            two_phase.STATE_PAIR = False
+                line.append(f"{'pair' if pair == '1' else 'one block'} {t:.1f} us ({plan})")
+            two_phase.STATE_PAIR = "0"
             print(f"{op} op B={B} H={H} T={T}: " + " | ".join(line), flush=True)
+
+
+def time_pair_auto():
+    """STATE_PAIR "auto" on multi-wave state passes, with the default phase-1 terms (GDN: GDN_FOLD's): the state
+    pass alone, unsplit, one-block tiles against `pair` tiles (graph replay; o and the final state must be bitwise
+    equal: each consumer runs the same math), then the op under STATE_PAIR "0" and "auto" beside FLA.
+    PAIR_AUTO_CELLS="B,H,T;..." picks the cells, PAIR_AUTO_OPS=gdn,kda the ops."""
+    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
+        "PAIR_AUTO_CELLS", "16,64,4096;8,32,4096;8,16,4096;4,64,16384").split(";")]
+    ops_ = os.environ.get("PAIR_AUTO_OPS", "gdn,kda").split(",")
+    default = two_phase.STATE_PAIR
+    for op in ops_:
+        kda = op == "kda"
+        for B, H, T in cells:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda)
+            line, outs = [], []
+            for name, pair in (("one block", "0"), ("pair", "1")):
+                two_phase.STATE_PAIR = pair
+                t = graph_us(lambda: two_phase.state_pass(prep, None, True), calls=3, reps=3)
+                o, s = two_phase.state_pass(prep, None, True)
+                outs.append((o.clone(), s.clone()))
+                line.append(f"{name} {t:.1f} us")
+            two_phase.STATE_PAIR = default
+            same = all(torch.equal(a, b) for a, b in zip(*outs))
+            nan = any(y.isnan().any().item() for x in outs for y in x)
+            print(f"{op} state pass B={B} H={H} T={T} ({'fold' if prep.fold else 'raw' if prep.raw else 'gated'}"
+                  f" terms): " + " | ".join(line) + f" | bitwise equal {same}, NaN {nan}", flush=True)
+    settings = [(label, lambda p=p: setattr(two_phase, "STATE_PAIR", p)) for label, p in (("one block", "0"),
+                                                                                         ("auto", "auto"))]
+    time_op_settings(ops_, cells, settings, lambda: setattr(two_phase, "STATE_PAIR", default))
 
 
 def pair_profile():
@@ -570,7 +602,7 @@ def time_fold_chain():
                       f"v_new {cyc[2]:.0f}, issue 2+o {cyc[3]:.0f}, update wait {cyc[4]:.0f}", flush=True)
 
 
-MODES = {"fold-chain": time_fold_chain, "fold": time_fold, "balance": time_balance, "solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+MODES = {"pair-auto": time_pair_auto, "fold-chain": time_fold_chain, "fold": time_fold, "balance": time_balance, "solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}
 
 

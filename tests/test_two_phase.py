@@ -94,7 +94,7 @@ STATE_VARIANTS = {"smem": (False, 2, False, False, False, False), "rs": (True, 2
 
 def use_state_variant(monkeypatch, name):
     rs, stages, ring_decay, tma_o, u_fast, pair = STATE_VARIANTS[name]
-    monkeypatch.setattr(two_phase, "STATE_PAIR", pair)
+    monkeypatch.setattr(two_phase, "STATE_PAIR", "1" if pair else "0")
     monkeypatch.setattr(two_phase, "STATE_PASS_RS", rs)
     monkeypatch.setattr(two_phase, "STATE_STAGES", stages)
     monkeypatch.setattr(two_phase, "STATE_RING_DECAY", ring_decay)
@@ -323,6 +323,29 @@ def test_two_phase_fold_matches_reference(B, T, H, with_init, N, monkeypatch):
 
 @requires_sm90
 @pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("N", [1, 3, 8])
+def test_pair_state_pass_equals_one_block(kda, N, monkeypatch):
+    """`pair` tiles (STATE_PAIR "auto" on multi-wave passes) on the default phase-1 terms (GDN: GDN_FOLD's; KDA:
+    gated): each consumer runs a one-block tile's math, so o and the final state are bitwise those of one-block
+    tiles, for the forward and the split (summary + merge + segment outputs) passes; NaN-poisoned summaries."""
+    monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
+    gen = torch.Generator().manual_seed(900 + N + 10 * kda)
+    q, k, v, g, beta, init = make(2, 1000, 3, kda, gen, dtype=torch.bfloat16, device="cuda")
+    prep = two_phase.chunk_prep(q, k, v, g, beta, kda=kda)
+    assert prep.fold == two_phase.fold_path(kda)
+    outs = []
+    for pair in ("0", "1"):
+        monkeypatch.setattr(two_phase, "STATE_PAIR", pair)
+        o, s = two_phase.state_pass(prep, init, True, num_segments=N)
+        assert not o.isnan().any() and not s.isnan().any(), pair
+        outs.append((o, s))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
+    assert max(rel_err(outs[1][0], want_o), rel_err(outs[1][1], want_s)) < 1e-2
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("B,T,H,with_init,N", [(2, 1000, 3, True, 1), (1, 4096, 4, False, 1), (2, 1000, 3, True, 3),
                                                (1, 4096, 4, False, 8), (1, 4096, 4, True, 32)])
 @pytest.mark.parametrize("variant", list(STATE_VARIANTS))
@@ -395,9 +418,9 @@ class StatePassEmulator:
     """What one launch of ChunkStatePassSm90 does, tile by tile, in float64 (the kernel's contract; `pair`: a
     tile's block b covers the 64-column blocks 2 b and 2 b + 1)."""
 
-    def __init__(self, kda, has_initial_state, store_final_state, mode, fold=False):
+    def __init__(self, kda, has_initial_state, store_final_state, mode, fold=False, pair=False):
         self.kda, self.init, self.final, self.mode, self.fold = kda, has_initial_state, store_final_state, mode, fold
-        self.pair = two_phase.state_pair()
+        self.pair = pair
 
     def fn(self, qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, grid, flags=None, chunks_per_seq=0):
         from schedulers import TILE_FIELDS
@@ -443,12 +466,18 @@ class StatePassEmulator:
 def emulated_state_pass(monkeypatch):
     import cute_kernels.ops.merge as merge_ops
 
-    calls = []
+    class Calls(list):   # the modes compiled, in order; `pairs`: whether each was a `pair` build
+        pairs: list
+
+    calls = Calls()
+    calls.pairs = []
 
     def fake_compile(io_dtype, kda, has_initial_state, store_final_state, mode="forward", dump_dir=None,
-                     raw_qk=False, fold=False):
+                     raw_qk=False, fold=False, pair=None):
+        pair = two_phase.state_pair() if pair is None else pair
         calls.append(mode)
-        return StatePassEmulator(kda, has_initial_state, store_final_state, mode, fold)
+        calls.pairs.append(pair)
+        return StatePassEmulator(kda, has_initial_state, store_final_state, mode, fold, pair)
 
     def fake_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_only=False):
         # Slots the kernel never reads (first M without an initial state, last summaries) may hold the poison.
@@ -483,7 +512,7 @@ def emulated_state_pass(monkeypatch):
 @pytest.mark.parametrize("with_init", [True, False])
 @pytest.mark.parametrize("pair", [False, True])
 def test_segmented_state_pass_orchestration(emulated_state_pass, kda, num_segments, with_init, pair, monkeypatch):
-    monkeypatch.setattr(two_phase, "STATE_PAIR", pair)
+    monkeypatch.setattr(two_phase, "STATE_PAIR", "1" if pair else "0")
     gen = torch.Generator().manual_seed(num_segments + 2 * kda + 4 * with_init)
     q, k, v, g, beta, init = make(2, 1000, 2, kda, gen)
     init = init if with_init else None
@@ -527,16 +556,19 @@ class PrepEmulator:
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("segments", [None, 4])
-def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segments):
+@pytest.mark.parametrize("pair", ["0", "auto"])
+def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segments, pair):
     """chunk_gated_delta_rule / chunk_kda with CUTE_KERNELS_TWO_PHASE on: phase 1 + the (segmented) state pass
-    wired from the op, checked on the CPU with both kernels emulated."""
+    wired from the op, checked on the CPU with both kernels emulated (GDN: GDN_FOLD's terms). STATE_PAIR "auto"
+    on a 4-SM device: the state pass's one-block tiles take more than one wave, so it runs `pair` tiles."""
     import cute_kernels.ops.linear_attention as la
     import cute_kernels.runtime.arch as arch
     from schedulers import SegmentScheduler
 
     monkeypatch.setattr(la, "TWO_PHASE", True)
+    monkeypatch.setattr(two_phase, "STATE_PAIR", pair)
     monkeypatch.setattr(la, "check_cuda", lambda **kw: torch.device("cpu"))
-    monkeypatch.setattr(la, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(la, "_sm_count", lambda device: 4 if pair == "auto" else 132)
     monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
     la._two_phase_plans.clear()
     cu = (0, 100, 100, 1000, 1300) if varlen else None
@@ -553,6 +585,7 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segm
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
                                                    cu_seqlens=cut)
     assert emulated_state_pass[-1] == ("segment_outputs" if segments else emulated_state_pass[-1])
+    assert emulated_state_pass.pairs[-1] == (pair == "auto")
     assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2, (rel_err(o, want_o), rel_err(s, want_s))
 
 

@@ -352,7 +352,8 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
     if mode == "0" or (mode == "auto" and scheduler is not None):
         return None
     key = (mode, scheduler if mode == "1" else None, B, T, H, cu, kda, init, AUTO_SEGMENTS, device,
-           _two_phase_module().state_pair(), _merge.AFFINE_MERGE_IMPL, OVERLAP, _two_phase_module().KDA_ROW_ANCHORS,
+           _two_phase_module().STATE_PAIR, _two_phase_module().state_pair(), _merge.AFFINE_MERGE_IMPL, OVERLAP,
+           _two_phase_module().KDA_ROW_ANCHORS,
            _two_phase_module().GDN_RAW_QK, _two_phase_module().PREP_TRIO, _two_phase_module().OVERLAP_RAW,
            _two_phase_module().GDN_FOLD, _two_phase_module().PREP_BALANCE)
     choice = _two_phase_plans.get(key)

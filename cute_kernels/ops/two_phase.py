@@ -169,8 +169,8 @@ PREP_SOLVE_MMA = os.environ.get("CUTE_KERNELS_PREP_SOLVE_MMA", "1") == "1"
 
 def raw_qk_path(kda: bool) -> bool:
     """Whether the two-phase path runs GDN_RAW_QK's kernels (GDN, the slim phase 1, the rs state pass with its
-    decays in the ring, not `pair`)."""
-    return (GDN_RAW_QK and not kda and PREP_SLIM and STATE_PASS_RS and STATE_RING_DECAY and not state_pair())
+    decays in the ring)."""
+    return GDN_RAW_QK and not kda and PREP_SLIM and STATE_PASS_RS and STATE_RING_DECAY
 
 
 def prep_ctas_per_sm(kda: bool) -> int:
@@ -513,9 +513,13 @@ STATE_U_FAST = os.environ.get("CUTE_KERNELS_STATE_U_FAST", "0") == "1"
 # one shared ring (`pair`): the qg, w, kg, Aqk tiles are loaded once per chunk instead of twice (72 instead of
 # 128 KB per chunk and head) and a (sequence, head, segment) takes one SM instead of two. Measured on the H200
 # (2026-12-03, `scripts/time_two_phase.py pair`): each chain 1.96-2.16 us per chunk against 1.28-1.35 alone, so
-# faster only where the state pass has more tiles than SMs (B=8 H=16 T=4096: 186 vs 202 us), which no call the
-# planner sends down the two-phase path has today; off.
-STATE_PAIR = os.environ.get("CUTE_KERNELS_STATE_PAIR", "0") == "1"
+# faster only where the state pass has more tiles than SMs (B=8 H=16 T=4096: 186 vs 202 us). Since session 20 the
+# planner sends such calls down the two-phase path (B*H >= 128, T >= 4096), where the state pass is also bound by
+# its loads (GDN B=16 H=64 T=4096: ~1700 us for ~128 KB per chunk and head, 72 KB with `pair`).
+# "auto": `pair` for a state pass whose one-block output tiles take more than one wave of SMs, the one-block tiles
+# otherwise; "1": always; "0" (default until "auto" has been measured with GDN_RAW_QK / GDN_FOLD's terms: that
+# build compiles -- 168 registers at launch, no spills -- and its CPU emulation is tested, not yet run on a GPU).
+STATE_PAIR = os.environ.get("CUTE_KERNELS_STATE_PAIR", "0")
 # Programmatic dependent launch between the two-phase kernels: phase 1 lets the state pass launch once its last
 # wave has started (`griddepcontrol.launch_dependents`), and the state pass / merge launches wait inside
 # (`griddepcontrol.wait`) after their prologue, so barrier setup, descriptor prefetch and launch latency overlap
@@ -525,9 +529,17 @@ STATE_PAIR = os.environ.get("CUTE_KERNELS_STATE_PAIR", "0") == "1"
 PDL = os.environ.get("CUTE_KERNELS_PDL", "1") == "1"
 
 
-def state_pair() -> bool:
-    """Whether the state pass runs `pair` tiles (STATE_PAIR, where the other switches allow it)."""
-    return STATE_PAIR and STATE_PASS_RS and STATE_RING_DECAY and not STATE_O_TMA and not STATE_U_FAST
+def state_pair(output_tiles: int | None = None, slots: int | None = None) -> bool:
+    """Whether the state pass runs `pair` tiles, where the other switches allow it: STATE_PAIR "1" always,
+    "auto" where its one-block output tiles (`output_tiles`: one per sequence, segment, head and 64 V columns)
+    are more than `slots` (one CTA per SM), "0" never."""
+    if not (STATE_PASS_RS and STATE_RING_DECAY and not STATE_O_TMA and not STATE_U_FAST):
+        return False
+    if STATE_PAIR == "auto":
+        return output_tiles is not None and slots is not None and output_tiles > slots
+    if STATE_PAIR not in ("0", "1"):
+        raise ValueError(f"CUTE_KERNELS_STATE_PAIR must be 0, 1 or auto, got {STATE_PAIR!r}")
+    return STATE_PAIR == "1"
 
 
 def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
@@ -546,7 +558,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     ring_decay = (STATE_RING_DECAY and rs) if ring_decay is None else ring_decay
     u_fast = (STATE_U_FAST and rs) if u_fast is None else u_fast
     tma_o = (STATE_O_TMA and rs) if tma_o is None else tma_o
-    pair = (state_pair() and rs and ring_decay and not tma_o and not u_fast and not raw_qk) if pair is None else pair
+    pair = (state_pair() and rs and ring_decay and not tma_o and not u_fast) if pair is None else pair
     pdl = PDL if pdl is None else pdl
     key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
            profile, ring_decay, tma_o, u_fast, pair, pdl, consume, raw_qk, fold)
@@ -666,22 +678,27 @@ class StatePlan:
     (no checks: the caller has validated its tensors)."""
 
     def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold=False):
-        pair = state_pair() and not raw
+        from .linear_attention import _sm_count
+
+        one_block, _ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device)
+        pair = state_pair(one_block.num_tiles, _sm_count(device) if STATE_PAIR == "auto" else None)
         schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device, pair)
         self.init, self.device, self.split, self.pair = init, device, summ is not None, pair
         self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0]) + no_flags(device)[:2]
         # an fp32 [1, 1, K, V] stand-in for a state the kernel neither reads nor writes (made here, not per call)
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
         if not self.split:
-            self.fn = compile_state_pass(io, kda, init, final, raw_qk=raw, fold=fold)
+            self.fn = compile_state_pass(io, kda, init, final, pair=pair, raw_qk=raw, fold=fold)
             return
         self.slots = schedule.segmentation.total_segments
         self.merge = _merge.affine_merge_starts_plan(len(schedule.seg_offsets) - 1, H, self.slots,
                                                      schedule.seg_offsets, init, device, pdl=PDL)
-        self.summary_fn = (compile_state_pass(io, kda, False, False, mode="summary", raw_qk=raw, fold=fold)
+        self.summary_fn = (compile_state_pass(io, kda, False, False, mode="summary", pair=pair, raw_qk=raw,
+                                              fold=fold)
                            if summ.num_tiles else None)
         self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0]) + no_flags(device)[:2]
-        self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs", raw_qk=raw, fold=fold)
+        self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs", pair=pair, raw_qk=raw,
+                                     fold=fold)
 
     def run(self, prep: PrepTerms, initial_state, o, final):
         dummy = final if final is not None else self.dummy
@@ -768,7 +785,7 @@ class OverlapPlan:
                                                ring_decay=True, num_stages=3, pair=False, pdl=True).fn
         else:
             self.prep_fn = compile_chunk_prep(io, beta_dtype, kda, slim=False, publish=True).fn
-            self.state_fn = compile_state_pass(io, kda, init, final, consume=True).fn
+            self.state_fn = compile_state_pass(io, kda, init, final, consume=True, pair=False).fn
         self.prep_launch = (prep.table_on(device), prep.num_tiles, ctas)
         self.state_launch = (state.table_on(device), state.num_tiles, state.grid[0], self.flags, self.chunks_per_seq)
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
@@ -1006,7 +1023,8 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
     per_sm = prep_occupancy(kda, len(prep), slots)
     t = makespan(prep, slots * per_sm) * (prep_slim_chunk_us(per_sm) if per_sm > 1 else prep_chunk_us(kda)) + LAUNCH_US
     lens = [_split_sizes(c, max(1, min(n, c))) for c, n in zip(problem.chunks, counts)]
-    per = 1 if state_pair() else 2   # tiles per (segment, head): V / 128 or V / 64 columns each
+    pair = state_pair(sum(len(ls) for ls in lens) * 2 * H, slots)
+    per = 1 if pair else 2   # tiles per (segment, head): V / 128 or V / 64 columns each
     chunk_us = (STATE_PAIR_CHUNK_US if per == 1 else STATE_CHUNK_US)[kda]
     if per == 2 and raw_qk_path(kda):
         chunk_us = STATE_RAW_CHUNK_US

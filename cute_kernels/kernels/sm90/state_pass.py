@@ -73,10 +73,12 @@ class ChunkStatePassSm90:
     Measured (H200): one chain per CTA 1.2-1.28 us per chunk, two per CTA 1.96-2.1 (each); a profile build
     shows the second chain doubling the first one's ALU phases (v_new 376 -> 790-850 cycles per chunk) even when
     the two take turns at the tensor cores (named-barrier ping-pong, tried and removed): two chains per SM give
-    ~1.3x the chunks per SM per us at ~1.6x the latency per chain. Off by default (`STATE_PAIR`).
+    ~1.3x the chunks per SM per us at ~1.6x the latency per chain: a gain only where the one-block tiles take
+    more than one wave (`STATE_PAIR` "auto"). With `raw_qk` / `fold` both consumers take the same stage factors.
 
-    `raw_qk` (GDN, rs with ring_decay, not pair): the qg and kg arguments are the caller's q and k themselves
-    (phase 1 built with `raw_qk` does not write gated copies) and eg is [tokens, H, 4] fp32, row r of a chunk
+    `raw_qk` (GDN, rs with ring_decay; with `pair` both consumers read the same stage's factors): the qg and kg
+    arguments are the caller's q and k themselves (phase 1 built with `raw_qk` does not write gated copies) and
+    eg is [tokens, H, 4] fp32, row r of a chunk
     holding (scale 2^G_r, 2^(G_last - G_r), 2^G_last, 0). The producer warp puts a chunk's 64 + 64 row factors and
     its decay into the stage's eg slot; the consumer scales o^T's column n (token n) by the first factor after
     S^T q^T, and the state update uses a second 16-bit copy of v_new^T whose column n is scaled by the second:
@@ -149,8 +151,8 @@ class ChunkStatePassSm90:
         if consume and mode != "forward":
             raise ValueError("consume (the overlapped path) is a forward-mode option")
         self.consume = consume
-        if raw_qk and (kda or not (rs and ring_decay) or pair):
-            raise ValueError("raw_qk is GDN's, with rs=True and ring_decay=True, without pair")
+        if raw_qk and (kda or not (rs and ring_decay)):
+            raise ValueError("raw_qk is GDN's, with rs=True and ring_decay=True")
         self.raw_qk = raw_qk
         if fold and not raw_qk:
             raise ValueError("fold is the raw_qk build's option")

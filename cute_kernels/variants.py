@@ -252,24 +252,19 @@ def _variants() -> list[Variant]:
                                    "ld.global.v4.b32", "griddepcontrol.wait"),
                     archs=("sm_90a",),
                 ))
-                out.append(Variant(   # GDN_FOLD: R = v - diag(2^G) k S, then A1 R and W2^T R
-                    op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode) + "_rs_fold",
-                    lambda d, mode=mode, init=init, final=final: compile_state_pass(
-                        torch.bfloat16, False, init, final, mode=mode, dump_dir=d, rs=True, ring_decay=True,
-                        tma_o=False, pair=False, pdl=True, raw_qk=True, fold=True),
-                    ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
-                                   "ld.global.v4.b32", "griddepcontrol.wait"),
-                    archs=("sm_90a",),
-                ))
-                out.append(Variant(   # GDN_FOLD's terms with `pair` tiles (STATE_PAIR: multi-wave state passes)
-                    op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode) + "_pair_fold",
-                    lambda d, mode=mode, init=init, final=final: compile_state_pass(
-                        torch.bfloat16, False, init, final, mode=mode, dump_dir=d, rs=True, ring_decay=True,
-                        tma_o=False, pair=True, pdl=True, raw_qk=True, fold=True),
-                    ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
-                                   "ld.global.v4.b32", ".reqntid 384"),
-                    archs=("sm_90a",),
-                ))
+                # GDN_FOLD: R = v - diag(2^G) k S, then A1 R and W2^T R; one V block per CTA, or `pair` tiles
+                # (STATE_PAIR: both V blocks, 384 threads, for multi-wave state passes)
+                for suffix, pair, extra in (("_rs_fold", False, "griddepcontrol.wait"),
+                                            ("_pair_fold", True, ".reqntid 384")):
+                    out.append(Variant(
+                        op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode) + suffix,
+                        lambda d, mode=mode, init=init, final=final, pair=pair: compile_state_pass(
+                            torch.bfloat16, False, init, final, mode=mode, dump_dir=d, rs=True, ring_decay=True,
+                            tma_o=False, pair=pair, pdl=True, raw_qk=True, fold=True),
+                        ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
+                                       "ld.global.v4.b32", extra),
+                        archs=("sm_90a",),
+                    ))
             out.append(Variant(   # pair: both V blocks of a tile in one CTA, two consumer warpgroups on one ring
                 op, f"{tag}_state_pass_sm90_bfloat16" + ("" if mode == "forward" else "_" + mode) + "_pair",
                 lambda d, kda=kda, mode=mode, init=init, final=final: compile_state_pass(

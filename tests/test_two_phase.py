@@ -45,6 +45,22 @@ def test_prep_and_state_pass_contract_match_reference(kda, T):
 
 
 @pytest.mark.parametrize("T", [64, 200])
+def test_kda_fold_terms_match_reference(T):
+    """A KDA fold's algebra on the CPU (the spec of a phase 1 that would load no v): exp(G) k in w's place, v in
+    u's, W2 = T^T kg and A1 = Aqk T, run through the plain state pass (R = v - (exp(G) k) S for v_new), equal
+    the chunked reference; the plain terms give the same o and state."""
+    gen = torch.Generator().manual_seed(17 + T)
+    q, k, v, g, beta, init = make(2, T, 2, True, gen)
+    prep = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=True, fold=True)
+    assert prep.fold and prep.kda and torch.equal(prep.u, v) and not torch.equal(prep.w, k)
+    o, s = two_phase.state_pass_torch(prep, init)
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
+    assert rel_err(o, want_o) < 1e-4 and rel_err(s, want_s) < 1e-4
+    plain_o, plain_s = two_phase.state_pass_torch(two_phase.chunk_prep_torch(q, k, v, g, beta, kda=True), init)
+    assert rel_err(o, plain_o) < 1e-4 and rel_err(s, plain_s) < 1e-4
+
+
+@pytest.mark.parametrize("T", [64, 200])
 def test_fold_terms_match_reference(T):
     """GDN_FOLD's algebra on the CPU: W2 = T^T kg and A1 = Aqk T (`chunk_prep_torch(fold=True)`) with k, v and
     R = v - diag(exp(G)) k S in place of v_new (`state_pass_torch`) equal the chunked reference; and the fold's

@@ -38,7 +38,8 @@ class PrepTerms:
     `fold` (GDN_FOLD): T is folded into the two products that read v_new = T R, R = v - diag(exp(G)) k S: w is the
     caller's k, u the caller's v, kg holds W2 = T^T kg (kg = exp(G_last - G) k, the plain term) and aqk holds
     A1 = Aqk T (rows as Aqk's); with `raw` eg's fourth factor is exp(G), and `gated()` keeps the fold (qg gated,
-    eg = exp(G) on every row).
+    eg = exp(G) on every row). KDA's fold (the torch spec only, no kernel yet): w holds exp(G) k (per channel),
+    and the plain state pass runs it unchanged, R = v - (exp(G) k) S standing in for v_new.
     """
 
     qg: torch.Tensor
@@ -67,8 +68,8 @@ class PrepTerms:
 def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step: int = 32,
                      fold: bool = False) -> PrepTerms:
     """Phase 1 in torch, fp32 (fixed-length [B, T, H, D] inputs, K = 128). Chunks are processed `chunks_per_step`
-    (x B x H) at a time to bound the [64, 64, K] pairwise decays of KDA. `fold` (GDN): the terms of
-    `PrepTerms.fold` (w = k, u = v, kg = W2 = T^T kg, aqk = A1 = Aqk T)."""
+    (x B x H) at a time to bound the [64, 64, K] pairwise decays of KDA. `fold`: the terms of `PrepTerms.fold`
+    (w = k -- KDA: exp(G) k --, u = v, kg = W2 = T^T kg, aqk = A1 = Aqk T)."""
     from ..reference.linear_attention import _chunk_terms
 
     B, T, H, K = k.shape
@@ -100,8 +101,8 @@ def chunk_prep_torch(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_step
             aqk = scale * (qs @ ks.transpose(-1, -2)) * t.decay
         parts = {"qg": scale * t.eG * qs, "w": t.w, "u": t.u, "kg": t.kg, "aqk": aqk,
                  "eg": t.eG if kda else t.eG[..., 0]}
-        if fold:
-            parts.update(w=ks, u=vs, kg=t.T.transpose(-1, -2) @ t.kg, aqk=aqk @ t.T)
+        if fold:   # KDA: w holds exp(G) k (per channel: no row factor can stand in for it)
+            parts.update(w=t.eG * ks if kda else ks, u=vs, kg=t.T.transpose(-1, -2) @ t.kg, aqk=aqk @ t.T)
         for name, x in parts.items():
             out[name].append(x.reshape(B, n, *x.shape[1:]))
 
@@ -909,7 +910,7 @@ def state_pass_torch(prep: PrepTerms, initial_state=None):
         L = t1 - t0
         w, u, qg, kg = f(prep.w, t0, t1), f(prep.u, t0, t1), f(prep.qg, t0, t1), f(prep.kg, t0, t1)
         aqk = f(prep.aqk, t0, t1)[..., :L]
-        if prep.fold:   # w = k, u = v, kg = W2, aqk = A1: R = v - diag(exp(G)) k S stands in for v_new
+        if prep.fold and not prep.kda:   # w = k, u = v, kg = W2, aqk = A1: R = v - diag(exp(G)) k S for v_new
             v_new = u - prep.eg[:, t0:t1].float().transpose(1, 2)[..., None] * (w @ S)
         else:
             v_new = u - w @ S

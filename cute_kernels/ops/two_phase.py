@@ -679,10 +679,13 @@ class StatePlan:
     (no checks: the caller has validated its tensors)."""
 
     def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold=False):
-        from .linear_attention import _sm_count
+        tiles = slots = None   # STATE_PAIR "auto": the one-block output tiles against the SM count
+        if STATE_PAIR == "auto":
+            from .linear_attention import _sm_count
 
-        one_block, _ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device)
-        pair = state_pair(one_block.num_tiles, _sm_count(device) if STATE_PAIR == "auto" else None)
+            tiles = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device)[0].num_tiles
+            slots = _sm_count(device)
+        pair = state_pair(tiles, slots)
         schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device, pair)
         self.init, self.device, self.split, self.pair = init, device, summ is not None, pair
         self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0]) + no_flags(device)[:2]

@@ -78,11 +78,10 @@ class ChunkStatePassSm90:
 
     `raw_qk` (GDN, rs with ring_decay; with `pair` both consumers read the same stage's factors): the qg and kg
     arguments are the caller's q and k themselves (phase 1 built with `raw_qk` does not write gated copies) and
-    eg is [tokens, H, 4] fp32, row r of a chunk
-    holding (scale 2^G_r, 2^(G_last - G_r), 2^G_last, 0). The producer warp puts a chunk's 64 + 64 row factors and
-    its decay into the stage's eg slot; the consumer scales o^T's column n (token n) by the first factor after
-    S^T q^T, and the state update uses a second 16-bit copy of v_new^T whose column n is scaled by the second:
-    S^T <- S^T 2^G_last + (v_new^T diag(2^(G_last - G))) k.
+    eg is [tokens, H, 4] fp32, row r of a chunk holding (scale 2^G_r, 2^(G_last - G_r), 2^G_last, 0). The
+    producer warp puts a chunk's 64 + 64 row factors and its decay into the stage's eg slot; the consumer scales
+    o^T's column n (token n) by the first factor after S^T q^T, and the state update uses a second 16-bit copy of
+    v_new^T whose column n is scaled by the second: S^T <- S^T 2^G_last + (v_new^T diag(2^(G_last - G))) k.
 
     `fold` (with raw_qk, GDN_FOLD): phase 1 folded each chunk's T = (I + Akk)^-1 diag(beta) into the two
     products that read v_new = T R, R = v - diag(2^G) k S: the w argument is then the caller's k, u the caller's

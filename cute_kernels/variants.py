@@ -274,6 +274,20 @@ def _variants() -> list[Variant]:
                                ".reqntid 384"),
                 archs=("sm_90a",),
             ))
+        # lookback: the segmented forward in one launch (tickets, summary counts and end flags in global memory,
+        # the link on tensor cores); GDN with the fold's terms, KDA with its plain ones; with an initial state
+        # (every link has an M) and without (the first link is h_ext alone)
+        for init in (True, False):
+            out.append(Variant(
+                op, f"{tag}_state_pass_sm90_bfloat16_lookback" + ("" if kda else "_fold") + ("" if init else "_noinit"),
+                lambda d, kda=kda, init=init: compile_state_pass(
+                    torch.bfloat16, kda, init, init, mode="lookback", dump_dir=d, rs=True, ring_decay=True,
+                    tma_o=False, u_fast=False, pair=False, pdl=True, raw_qk=not kda, fold=not kda),
+                ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
+                               "atom.global.add", "atom.global.release.add", "ld.acquire.gpu", "fence.acq_rel.gpu",
+                               "st.release.gpu", "fence.proxy.async.global", "mbarrier.try_wait"),
+                archs=("sm_90a",),
+            ))
         out.append(Variant(   # rs with u read at constant offsets (a switch, off until measured)
             op, f"{tag}_state_pass_sm90_bfloat16_rs_u_fast",
             lambda d, kda=kda: compile_state_pass(torch.bfloat16, kda, True, True, dump_dir=d, rs=True,

@@ -185,3 +185,44 @@ def summary_schedule(problem: Problem, segmentation: Segmentation, first_m: bool
     tiles = [t for t in _tiles(problem, segmentation)
              if not t.is_last_segment and (t.block < h_blocks or first_m or t.segment != 0)]
     return Schedule(tiles, (max(1, len(tiles)), 1, 1), False, segmentation, name)
+
+
+def lookback_schedule(problem: Problem, segmentation: Segmentation, first_m: bool, m_blocks: int,
+                      name: str = "lookback") -> Schedule:
+    """The single-launch segmented state pass's tile table, in ticket order (`TicketScheduler`).
+
+    `problem.num_blocks` is the number of output blocks per (sequence, segment, head) (64 V columns each). First
+    the summary tiles `summary_schedule` would launch (h_ext's blocks, then `m_blocks` of M's, pruned the same
+    way), their `block` shifted by `problem.num_blocks` so a kernel tells them from output tiles (block >=
+    num_blocks: summary block `block - num_blocks`); then the output tiles ordered (segment, sequence, head,
+    block). Every tile a tile waits on (`lookback_dependencies`) comes earlier in this order.
+    """
+    from dataclasses import replace
+
+    nb = problem.num_blocks
+    summ = summary_schedule(replace(problem, num_blocks=nb + m_blocks), segmentation, first_m, h_blocks=nb)
+    tiles = [replace(t, block=t.block + nb) for t in summ.tiles]
+    tiles += sorted(_tiles(problem, segmentation), key=lambda t: (t.segment, t.seq, t.head, t.block))
+    return Schedule(tiles, (max(1, len(tiles)), 1, 1), False, segmentation, name)
+
+
+def lookback_dependencies(schedule: Schedule, num_blocks: int, first_m: bool) -> list[list[int]]:
+    """For each tile of a `lookback_schedule`, the indices of the tiles it waits on: an output tile of segment s
+    that is not its sequence's last needs its own segment's summary (h_ext's block of its columns, and every M
+    block unless s is the first segment without an initial state) to publish its end state; an output tile of
+    segment s > 0 needs its predecessor's end state (the output tile of segment s - 1, same head and block).
+    Summary tiles wait on nothing."""
+    index = {(t.seq, t.segment, t.head, t.block): i for i, t in enumerate(schedule.tiles)}
+    deps = []
+    for t in schedule.tiles:
+        d = []
+        if t.block < num_blocks:
+            if not t.is_last_segment:
+                d.append(index[(t.seq, t.segment, t.head, num_blocks + t.block)])
+                if t.segment > 0 or first_m:
+                    d += [i for (n, s, h, b), i in index.items()
+                          if (n, s, h) == (t.seq, t.segment, t.head) and b >= 2 * num_blocks]
+            if t.segment > 0:
+                d.append(index[(t.seq, t.segment - 1, t.head, t.block)])
+        deps.append(sorted(d))
+    return deps

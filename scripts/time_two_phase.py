@@ -125,7 +125,8 @@ def time_chain():
             x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
             prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda).gated()
             schedule, _ = two_phase._state_pass_schedules(B, T, H, 128, 1, False, None, prep.u.device)
-            launch = (schedule.table_on(prep.u.device), schedule.num_tiles, schedule.grid[0])
+            launch = ((schedule.table_on(prep.u.device), schedule.num_tiles, schedule.grid[0])
+                      + two_phase.state_pass_tail(prep.u.device, prep.u.dtype))
             dummy = torch.empty((1, 1, 128, 128), dtype=torch.float32, device="cuda")
             terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
             line, outs = [], []
@@ -322,6 +323,39 @@ def time_pair_auto():
     time_op_settings(ops_, cells, settings, lambda: setattr(two_phase, "STATE_PAIR", default))
 
 
+def time_lookback():
+    """STATE_LOOKBACK: the segmented state pass in one launch against the split launches (summary, merge, segment
+    outputs), the state pass alone at several segment counts (graph replay; o and the final state must be
+    bitwise equal), then the op (its own segment count) under both beside FLA. LOOKBACK_CELLS="B,H,T;..." and
+    LOOKBACK_SEGMENTS="4,9,16" pick the cells and the counts, LOOKBACK_OPS=gdn,kda the ops."""
+    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
+        "LOOKBACK_CELLS", "1,4,16384;1,4,8192;1,16,4096;2,16,2048").split(";")]
+    counts = [int(n) for n in os.environ.get("LOOKBACK_SEGMENTS", "4,9,16").split(",")]
+    ops_ = os.environ.get("LOOKBACK_OPS", "gdn,kda").split(",")
+    default = two_phase.STATE_LOOKBACK
+    for op in ops_:
+        kda = op == "kda"
+        for B, H, T in cells:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda)
+            for n in counts:
+                line, outs = [], []
+                for name, on in (("split", False), ("lookback", True)):
+                    two_phase.STATE_LOOKBACK = on
+                    t = graph_us(lambda: two_phase.state_pass(prep, None, True, num_segments=n), calls=3, reps=3)
+                    o, s = two_phase.state_pass(prep, None, True, num_segments=n)
+                    outs.append((o.clone(), s.clone()))
+                    line.append(f"{name} {t:.1f} us")
+                two_phase.STATE_LOOKBACK = default
+                same = all(torch.equal(a, b) for a, b in zip(*outs))
+                nan = any(y.isnan().any().item() for x in outs for y in x)
+                print(f"{op} state pass B={B} H={H} T={T} N={n}: " + " | ".join(line)
+                      + f" | bitwise equal {same}, NaN {nan}", flush=True)
+    settings = [(label, lambda v=v: setattr(two_phase, "STATE_LOOKBACK", v)) for label, v in (("split", False),
+                                                                                           ("lookback", True))]
+    time_op_settings(ops_, cells, settings, lambda: setattr(two_phase, "STATE_LOOKBACK", default))
+
+
 def pair_profile():
     """The rs consumer's cycles per chunk by phase (profile build, consumer 0 of each CTA) with one chain per CTA,
     two (`pair`): GDN, unsplit forward."""
@@ -331,7 +365,8 @@ def pair_profile():
         terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
         for name, pair in (("one block", False), ("pair", True)):
             schedule, _ = two_phase._state_pass_schedules(B, T, H, 128, 1, False, None, prep.u.device, pair)
-            launch = (schedule.table_on(prep.u.device), schedule.num_tiles, schedule.grid[0])
+            launch = ((schedule.table_on(prep.u.device), schedule.num_tiles, schedule.grid[0])
+                      + two_phase.state_pass_tail(prep.u.device, prep.u.dtype))
             fn = two_phase.compile_state_pass(torch.bfloat16, False, False, False, rs=True, profile=True,
                                               ring_decay=True, tma_o=False, u_fast=False, pair=pair).fn
             t_prof, per_chunk, cyc = chain_profile(fn, terms, prep.u, launch)
@@ -581,7 +616,7 @@ def time_fold_chain():
         schedule, _ = two_phase._state_pass_schedules(B, T, H, 128, 1, False, None, x["q"].device)
         launch = (schedule.table_on(x["q"].device), schedule.num_tiles, schedule.grid[0])
         dummy = torch.empty((1, 1, 128, 128), dtype=torch.float32, device="cuda")
-        flags = two_phase.no_flags(x["q"].device)[:2]
+        flags = two_phase.state_pass_tail(x["q"].device, torch.bfloat16)
         for fold in (False, True):
             two_phase.GDN_FOLD = fold
             prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=False)
@@ -602,7 +637,7 @@ def time_fold_chain():
                       f"v_new {cyc[2]:.0f}, issue 2+o {cyc[3]:.0f}, update wait {cyc[4]:.0f}", flush=True)
 
 
-MODES = {"pair-auto": time_pair_auto, "fold-chain": time_fold_chain, "fold": time_fold, "balance": time_balance, "solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+MODES = {"lookback": time_lookback, "pair-auto": time_pair_auto, "fold-chain": time_fold_chain, "fold": time_fold, "balance": time_balance, "solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}
 
 

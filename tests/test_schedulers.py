@@ -208,6 +208,35 @@ def test_summary_schedule_has_the_tiles_start_states_need(first_m):
     assert {t.seg_slot for t in sched.tiles} == {0, 1, 4}
 
 
+@pytest.mark.parametrize("first_m", [True, False])
+def test_lookback_schedule_puts_every_wait_before_its_waiter(first_m):
+    """The one-launch segmented state pass's table: the summary tiles `summary_schedule` would launch (blocks
+    shifted past the output blocks), then every output tile once, ordered by segment, so that each tile waits
+    only on earlier tickets (no deadlock at any grid size); a first segment without an initial state waits on
+    h_ext's block alone, a last segment on no summary."""
+    from schedulers import lookback_dependencies, lookback_schedule, summary_schedule
+
+    p = Problem.varlen([0, 6 * 64, 6 * 64 + 100, 6 * 64 + 100 + 4 * 64], 2, num_blocks=2)
+    seg = Segmentation([split_even(6, 3), split_even(1, 1), split_even(4, 2)])
+    sched = lookback_schedule(p, seg, first_m, m_blocks=2)
+    summ = summary_schedule(Problem.varlen(list(p.seq_starts) + [p.seq_starts[-1] + p.seq_lens[-1]], 2,
+                                           num_blocks=4), seg, first_m, h_blocks=2)
+    n_summ = summ.num_tiles
+    assert [(t.seq, t.segment, t.head, t.block - 2) for t in sched.tiles[:n_summ]] == \
+        [(t.seq, t.segment, t.head, t.block) for t in summ.tiles]
+    outs = sched.tiles[n_summ:]
+    assert sorted((t.seq, t.segment, t.head, t.block) for t in outs) == sorted(
+        (n, s, h, b) for n, ns in enumerate((3, 1, 2)) for s in range(ns) for h in range(2) for b in range(2))
+    assert [t.segment for t in outs] == sorted(t.segment for t in outs)
+    assert sched.grid == (sched.num_tiles, 1, 1) and not sched.persistent
+    deps = lookback_dependencies(sched, 2, first_m)
+    assert all(d < i for i, ds in enumerate(deps) for d in ds)
+    by_key = {(t.seq, t.segment, t.head, t.block): ds for t, ds in zip(sched.tiles, deps)}
+    assert len(by_key[(0, 0, 1, 1)]) == (3 if first_m else 1)   # h_ext's block (+ both M blocks)
+    assert len(by_key[(0, 1, 0, 0)]) == 4                         # h_ext, M x 2, the predecessor's end
+    assert len(by_key[(0, 2, 0, 0)]) == 1 and len(by_key[(1, 0, 0, 0)]) == 0   # last segments: no summary
+
+
 @pytest.mark.parametrize("B,H,T", [(1, 4, 8192), (2, 8, 4096), (1, 16, 16384), (4, 16, 1024), (16, 64, 4096)])
 def test_plan_by_cost_is_the_cheapest_candidate(B, H, T):
     from schedulers import SegmentCost, plan_segments_by_cost, segmented_cost_us

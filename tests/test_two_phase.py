@@ -1,6 +1,7 @@
 """Two-phase chunked forward (issue 5, experimental): phase 1's terms (torch) and phase 2's contract on the CPU
 against the float64 reference; the SM90 state pass on the GPU."""
 
+import dataclasses
 import os
 
 import pytest
@@ -362,6 +363,45 @@ def test_pair_state_pass_equals_one_block(kda, N, monkeypatch):
 
 @requires_sm90
 @pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("B,T,H,with_init,N,varlen", [(2, 1000, 3, True, 3, False), (1, 4096, 4, False, 8, False),
+                                                      (1, 4096, 4, True, 32, False), (1, 1770, 2, True, 4, True),
+                                                      (1, 8192, 4, False, 9, False)])
+def test_lookback_state_pass_equals_split_launches(kda, B, T, H, with_init, N, varlen, monkeypatch):
+    """STATE_LOOKBACK (one launch: ticketed tiles, summary counts and end flags in global memory, the link on
+    tensor cores) against the split launches (summary, tensor-core merge, segment outputs) on the same terms:
+    the link is the merge's arithmetic, so o and the final state must be bitwise equal; poisoned workspace and
+    summaries, run twice (a race would move bits), the flags back at 0 after each launch."""
+    monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
+    gen = torch.Generator().manual_seed(1300 + N + 10 * kda + 100 * varlen)
+    cu = torch.tensor([0, 300, 1000, 1770], device="cuda") if varlen else None
+    q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
+    if varlen:
+        init = (torch.randn(3, H, 128, 128, generator=gen) * 0.1).cuda()
+    init = init if with_init else None
+    prep = two_phase.chunk_prep(q, k, v, g, beta, kda=kda, cu_seqlens=cu)
+    split = two_phase.state_pass(prep, init, True, num_segments=N, cu_seqlens=cu)
+    monkeypatch.setattr(two_phase, "STATE_LOOKBACK", True)
+    plan = two_phase.state_plan(B, T, H, two_phase._cu_tuple(cu, B, T), kda, q.dtype, with_init, True, N, q.device)
+    assert plan.lookback
+    runs = []
+    for _ in range(2):
+        plan.launch[5].fill_(float("nan"))   # M's hi / lo
+        plan.launch[6].fill_(float("nan"))   # h_ext's and the end states' fragments
+        o, s = two_phase.state_pass(prep, init, True, num_segments=N, cu_seqlens=cu)
+        torch.cuda.synchronize()
+        assert int(plan.flags.abs().sum()) == 0, "flags not back at 0"
+        assert not o.isnan().any() and not s.isnan().any()
+        runs.append((o.clone(), s.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), "run-to-run difference"
+    assert torch.equal(runs[0][0], split[0]) and torch.equal(runs[0][1], split[1]), (
+        (runs[0][0].float() - split[0].float()).abs().max(), (runs[0][1] - split[1]).abs().max())
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                                    cu_seqlens=cu)
+    assert rel_err(runs[0][0], want_o) <= 5e-3 and rel_err(runs[0][1], want_s) <= 5e-3
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("B,T,H,with_init,N", [(2, 1000, 3, True, 1), (1, 4096, 4, False, 1), (2, 1000, 3, True, 3),
                                                (1, 4096, 4, False, 8), (1, 4096, 4, True, 32)])
 @pytest.mark.parametrize("variant", list(STATE_VARIANTS))
@@ -438,8 +478,12 @@ class StatePassEmulator:
         self.kda, self.init, self.final, self.mode, self.fold = kda, has_initial_state, store_final_state, mode, fold
         self.pair = pair
 
-    def fn(self, qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, grid, flags=None, chunks_per_seq=0):
+    def fn(self, qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, grid, flags=None, chunks_per_seq=0,
+           lb_m=None, lb_ws=None):
         from schedulers import TILE_FIELDS
+
+        if self.mode == "lookback":
+            return self.lookback(qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, flags, lb_m, lb_ws)
 
         qg, w, u, kg, aqk, eg, o = (x.flatten(0, 1) for x in (qg, w, u, kg, aqk, eg, o))
         e_k = None   # GDN_FOLD: w = k, u = v, kg = W2, aqk = A1, and R = v - diag(2^G) k S stands in for v_new
@@ -477,6 +521,52 @@ class StatePassEmulator:
             elif self.final and t["segment"] == t["num_segments"] - 1:
                 sN[t["seq"], h, :, cols] = S.float()
 
+    def lookback(self, qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, flags, lb_m, lb_ws):
+        """Mode "lookback", tiles in ticket (table) order: a summary tile (block >= V / 64) runs the summary
+        mode's chain and publishes; an output tile takes its start state (initial state, or its predecessor's
+        published end state), makes and publishes its own end state by the link (end = M start + h_ext; h_ext
+        alone for a first segment without an initial state), then runs the outputs. Every value a tile reads
+        must have been published by an earlier tile -- the kernel's waits would otherwise wait on a later
+        ticket -- and the workspace must be sized as the kernel indexes it."""
+        from schedulers import TILE_FIELDS
+
+        col = {f: i for i, f in enumerate(TILE_FIELDS)}
+        n_vb = o.shape[-1] // 64
+        H = o.shape[2]
+        rows = [{f: r[i] for f, i in col.items()} for r in tiles[:num_tiles].tolist()]
+        slots = 1 + max(t["seg_slot"] for t in rows)
+        assert flags.numel() == 1 + 2 * slots * H * n_vb and int(flags.abs().sum()) == 0
+        assert tuple(lb_m.shape) == (2 * slots, H, 128, 128) and lb_ws.numel() == 2 * slots * H * n_vb * 8192
+        published = {}   # (slot, head, "h" / "m" / "end", 64-column block) -> [128, 64] float64
+        summary = StatePassEmulator(self.kda, False, False, "summary", self.fold)
+        outputs = StatePassEmulator(self.kda, True, self.final, "segment_outputs", self.fold)
+        for t in rows:
+            h, slot, blk = t["head"], t["seg_slot"], t["block"]
+            one = torch.tensor([[t[f] for f in TILE_FIELDS]], dtype=torch.int32)
+            if blk >= n_vb:   # a summary tile: the summary mode's chain, into a scratch summary pair
+                scratch = torch.full((2 * (slot + 1), H, 128, 128), float("nan"))
+                one[0, col["block"]] = blk - n_vb
+                summary.fn(qg, w, u, kg, aqk, eg, o, None, scratch, one, 1, 1)
+                b = blk - n_vb
+                part, cols = ("m", b - n_vb) if b >= n_vb else ("h", b)
+                src = scratch[slot + (slot + 1) if part == "m" else slot, h, :, 64 * cols:64 * cols + 64]
+                published[(slot, h, part, cols)] = src.double()
+                continue
+            cols = slice(64 * blk, 64 * blk + 64)
+            if t["segment"] == 0:
+                start = s0[t["seq"], h, :, cols].double() if self.init else torch.zeros(128, 64).double()
+            else:
+                start = published[(slot - 1, h, "end", blk)]
+            if t["segment"] < t["num_segments"] - 1:
+                end = published[(slot, h, "h", blk)].clone()
+                if t["segment"] > 0 or self.init:
+                    M = torch.cat([published[(slot, h, "m", b)] for b in range(128 // 64)], dim=1)
+                    end += M @ start
+                published[(slot, h, "end", blk)] = end
+            starts = torch.zeros(slot + 1, H, 128, o.shape[-1])
+            starts[slot, h, :, cols] = start.float()
+            outputs.fn(qg, w, u, kg, aqk, eg, o, starts, sN, one, 1, 1)
+
 
 @pytest.fixture
 def emulated_state_pass(monkeypatch):
@@ -489,7 +579,7 @@ def emulated_state_pass(monkeypatch):
     calls.pairs = []
 
     def fake_compile(io_dtype, kda, has_initial_state, store_final_state, mode="forward", dump_dir=None,
-                     raw_qk=False, fold=False, pair=None):
+                     raw_qk=False, fold=False, pair=None, **build):
         pair = two_phase.state_pair() if pair is None else pair
         calls.append(mode)
         calls.pairs.append(pair)
@@ -537,6 +627,38 @@ def test_segmented_state_pass_orchestration(emulated_state_pass, kda, num_segmen
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
     assert emulated_state_pass == (["forward"] if num_segments == 1 else ["summary", "segment_outputs"])
     assert rel_err(o, want_o) < 1e-4 and rel_err(s, want_s) < 1e-4, (rel_err(o, want_o), rel_err(s, want_s))
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("num_segments", [2, 3, 8])
+@pytest.mark.parametrize("with_init", [True, False])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_lookback_state_pass_orchestration(emulated_state_pass, kda, num_segments, with_init, varlen, monkeypatch):
+    """STATE_LOOKBACK: one launch in mode "lookback" (its table, flags and workspace as the plan builds them),
+    emulated tile by tile in ticket order, equals the reference; a single segment keeps the forward launch."""
+    monkeypatch.setattr(two_phase, "STATE_LOOKBACK", True)
+    gen = torch.Generator().manual_seed(num_segments + 2 * kda + 4 * with_init + 8 * varlen)
+    cu = (0, 300, 1000, 1770) if varlen else None
+    q, k, v, g, beta, init = make(1 if varlen else 2, 1770 if varlen else 1000, 2, kda, gen)
+    if varlen:
+        init = torch.randn(3, 2, 128, 128, generator=gen) * 0.1
+    init = init if with_init else None
+    if cu is None:
+        prep = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=kda)
+    else:   # packed: each sequence's terms on their own (chunks restart at every sequence)
+        parts = [two_phase.chunk_prep_torch(*(x[:, a:e] for x in (q, k, v, g, beta)), kda=kda)
+                 for a, e in zip(cu, cu[1:])]
+        prep = dataclasses.replace(parts[0], **{f: torch.cat([getattr(p, f) for p in parts], 1)
+                                                for f in ("qg", "w", "u", "kg", "aqk", "eg")})
+    o, s = two_phase.state_pass(prep, init, output_final_state=True, num_segments=num_segments,
+                                cu_seqlens=None if cu is None else torch.tensor(cu))
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                                    cu_seqlens=None if cu is None else torch.tensor(cu))
+    assert emulated_state_pass == ["lookback"]
+    assert rel_err(o, want_o) < 1e-4 and rel_err(s, want_s) < 1e-4, (rel_err(o, want_o), rel_err(s, want_s))
+    o1, _ = two_phase.state_pass(prep, init, output_final_state=True, num_segments=1,
+                                 cu_seqlens=None if cu is None else torch.tensor(cu))
+    assert emulated_state_pass[-1] == "forward"
 
 
 class PrepEmulator:

@@ -309,6 +309,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
 
 
 _no_flags: dict = {}
+_no_lookback: dict = {}
 
 
 def no_flags(device) -> tuple:
@@ -318,6 +319,16 @@ def no_flags(device) -> tuple:
     if key not in _no_flags:
         _no_flags[key] = (torch.zeros(1, dtype=torch.int32, device=device), 0, 0)
     return _no_flags[key]
+
+
+def state_pass_tail(device, io_dtype) -> tuple:
+    """The state pass's arguments after its tile table for a launch without `consume` or `lookback`: (flags,
+    chunks per sequence, lb_m, lb_ws) -- unused stand-ins, made once per device and dtype."""
+    key = (str(device), io_dtype)
+    if key not in _no_lookback:
+        _no_lookback[key] = (torch.zeros((1, 1, 128, 128), dtype=io_dtype, device=device),
+                             torch.zeros(64, dtype=torch.float32, device=device))
+    return no_flags(device)[:2] + _no_lookback[key]
 
 
 _POISON_PREP = False   # tests set it: phase 1's outputs start as NaN
@@ -528,6 +539,11 @@ STATE_PAIR = os.environ.get("CUTE_KERNELS_STATE_PAIR", "0")
 # pdl`, GDN, graph replay): B=1 H=4 T=512 22.1 -> 21.4 us, T=1024 32.4 -> 31.8, T=16384 (N = 9) 148.7 -> 147.2,
 # B=2 H=16 T=8192 346 either way; outputs bitwise equal to PDL off. On by default; CUTE_KERNELS_PDL=0 turns it off.
 PDL = os.environ.get("CUTE_KERNELS_PDL", "1") == "1"
+# The segmented state pass in one launch (`ChunkStatePassSm90` mode "lookback": ticketed tiles, summaries, the
+# chain of start states on tensor cores, outputs) instead of summary launch + affine merge + output launch. Written
+# in session 23 without a GPU (compiled, its protocol emulated on the CPU): off until its GPU test and timing have
+# run (tests/test_two_phase.py -k lookback, scripts/time_two_phase.py lookback). CUTE_KERNELS_STATE_LOOKBACK=1.
+STATE_LOOKBACK = os.environ.get("CUTE_KERNELS_STATE_LOOKBACK", "0") == "1"
 
 
 def state_pair(output_tiles: int | None = None, slots: int | None = None) -> bool:
@@ -589,8 +605,10 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
             fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
             cutlass.Int32(1),
             cutlass.Int32(1),
-            fake_tensor(cutlass.Int32, (DYN,), align=4),   # flags (consume)
+            fake_tensor(cutlass.Int32, (DYN,), align=4),   # flags (consume, lookback)
             cutlass.Int32(1),                              # chunks per sequence
+            fake_tensor(io, (DYN, DYN, 128, 128), align=16),   # lb_m (lookback)
+            fake_tensor(f32, (DYN,), align=16),                 # lb_ws (lookback)
             fake_stream(),
         )
         return kernel, args
@@ -675,10 +693,17 @@ def state_pass(prep: PrepTerms, initial_state=None, output_final_state: bool = F
 
 class StatePlan:
     """Phase 2 of one configuration (segment counts, initial state or not, final state or not), built once: the
-    compiled kernels (forward, or summary + segment outputs), the tile tables on the device. `run` launches them
-    (no checks: the caller has validated its tensors)."""
+    compiled kernels (forward, or summary + segment outputs, or with STATE_LOOKBACK the one-launch segmented
+    build), the tile tables on the device. `run` launches them (no checks: the caller has validated its tensors).
+    The lookback build's flags and workspace belong to the plan: a plan must not run on two streams at once."""
 
-    def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold=False):
+    def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold=False, lookback=False):
+        self.lookback = False
+        if lookback:
+            schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device)
+            if summ is not None:
+                self._init_lookback(B, T, H, cu, kda, io, init, final, schedule.segmentation, device, raw, fold)
+                return
         tiles = slots = None   # STATE_PAIR "auto": the one-block output tiles against the SM count
         if STATE_PAIR == "auto":
             from .linear_attention import _sm_count
@@ -688,7 +713,7 @@ class StatePlan:
         pair = state_pair(tiles, slots)
         schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device, pair)
         self.init, self.device, self.split, self.pair = init, device, summ is not None, pair
-        self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0]) + no_flags(device)[:2]
+        self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0]) + state_pass_tail(device, io)
         # an fp32 [1, 1, K, V] stand-in for a state the kernel neither reads nor writes (made here, not per call)
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
         if not self.split:
@@ -700,13 +725,36 @@ class StatePlan:
         self.summary_fn = (compile_state_pass(io, kda, False, False, mode="summary", pair=pair, raw_qk=raw,
                                               fold=fold)
                            if summ.num_tiles else None)
-        self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0]) + no_flags(device)[:2]
+        self.summary_launch = ((summ.table_on(device), summ.num_tiles, summ.grid[0])
+                               + state_pass_tail(device, io))
         self.fn = compile_state_pass(io, kda, True, final, mode="segment_outputs", pair=pair, raw_qk=raw,
                                      fold=fold)
+
+    def _init_lookback(self, B, T, H, cu, kda, io, init, final, segmentation, device, raw, fold):
+        """The one-launch segmented state pass: its ticket-ordered table (`lookback_schedule`: summary tiles,
+        then output tiles by segment), flags (the ticket counter, a summary count and an end flag per (slot,
+        head, V block); zero here, and back at zero after every launch) and workspace (M's hi / lo, h_ext's and
+        the end states' fragments)."""
+        from schedulers import lookback_schedule
+
+        lb = lookback_schedule(_problem(B, T, H, cu, num_blocks=2), segmentation, init, m_blocks=2)
+        slots = segmentation.total_segments
+        self.lookback, self.init, self.device, self.split, self.pair = True, init, device, True, False
+        self.schedule = lb
+        self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
+        self.fn = compile_state_pass(io, kda, init, final, mode="lookback", rs=True, num_stages=2, ring_decay=True,
+                                     tma_o=False, u_fast=False, pair=False, raw_qk=raw, fold=fold)
+        self.flags = torch.zeros(1 + 2 * slots * H * 2, dtype=torch.int32, device=device)
+        workspace = (torch.empty((2 * slots, H, 128, 128), dtype=io, device=device),
+                     torch.empty(2 * slots * H * 2 * 128 * 64, dtype=torch.float32, device=device))
+        self.launch = (lb.table_on(device), lb.num_tiles, lb.grid[0], self.flags, 0) + workspace
 
     def run(self, prep: PrepTerms, initial_state, o, final):
         dummy = final if final is not None else self.dummy
         terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
+        if self.lookback:
+            self.fn.fn(*terms, o, initial_state if self.init else dummy, dummy, *self.launch)
+            return o, final
         if not self.split:
             self.fn.fn(*terms, o, initial_state if self.init else dummy, dummy, *self.launch)
             return o, final
@@ -727,7 +775,8 @@ def state_plan(B, T, H, cu, kda, io, init, final, num_segments, device, raw: boo
     (None: `fold_path(kda)`) for GDN_FOLD's."""
     raw = raw_qk_path(kda) if raw is None else raw
     fold = fold_path(kda) if fold is None else fold
-    return _cached_plan(StatePlan, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold)
+    return _cached_plan(StatePlan, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold,
+                        STATE_LOOKBACK)
 
 
 class OverlapPlan:
@@ -791,7 +840,8 @@ class OverlapPlan:
             self.prep_fn = compile_chunk_prep(io, beta_dtype, kda, slim=False, publish=True).fn
             self.state_fn = compile_state_pass(io, kda, init, final, consume=True, pair=False).fn
         self.prep_launch = (prep.table_on(device), prep.num_tiles, ctas)
-        self.state_launch = (state.table_on(device), state.num_tiles, state.grid[0], self.flags, self.chunks_per_seq)
+        self.state_launch = ((state.table_on(device), state.num_tiles, state.grid[0], self.flags, self.chunks_per_seq)
+                             + state_pass_tail(device, io)[2:])
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
         self.init = init
         self.prep_ctas, self.state_ctas = ctas, state.num_tiles

@@ -14,7 +14,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from schedulers.device import TileScheduler
+from schedulers.device import TicketScheduler, TileScheduler, take_ticket
 
 from . import wgmma_tiles as wt
 
@@ -116,14 +116,42 @@ class ChunkStatePassSm90:
     64) from 0 with the real u; block b >= V / 64 runs M's columns [64 (b - V / 64), ..) from the identity with
     u = 0; the end block goes to summary[slot] (h_ext) or summary[slots + slot] (M), both [.., 128, 128] --
     `affine_merge`'s layout). The summary mode loads only w, kg and u (no qg, no Aqk).
+
+    `lookback` mode (rs with ring_decay, one block per tile; not pair / tma_o / u_fast / consume / profile): the
+    segmented forward in one launch -- summaries, the chain of start states and the outputs. The table is a
+    `schedulers.lookback_schedule` (summary tiles, block >= V / 64, then output tiles ordered by segment) and a
+    CTA's tile is the ticket it draws (`TicketScheduler`): every tile it waits on then holds an SM or is done, so
+    the waits cannot deadlock whatever the grid. Workspace: `lb_m` (16-bit [2 slots, H, 128, 128]: M^T of slot s
+    split as hi = bf16(M^T) at [s], lo = bf16(M^T - hi) at [slots + s]; an M block's values are column pairs of
+    M^T's rows, and the link reads M^T's tile as an MN-major B); `lb_ws` (fp32: per (slot, head, V block) the
+    consumer's 64 x 128 accumulator fragment of h_ext^T, then of the end state, in thread order -- 256 contiguous
+    bytes per thread); `flags` (int32: [0] the ticket counter, then per (slot, head, V block) a summary count
+    and an end flag; all back at 0 when the launch ends).
+    - Summary tile: as `summary` mode (it loads every tile of the ring, unused ones included, so the stage's byte
+      count is one constant), then stores h_ext^T's fragment (an h block) or M's hi / lo (an M block), and
+      consumer thread 0 publishes (gpu-scope release fence, then an atomic add of 1 on the summary count of its
+      V block (h) or of every V block (M)).
+    - Output tile (sequence n, segment s, V block j): its start state is initial_state[n] (or 0) for s = 0, else
+      the end state of segment s - 1 (thread 0 spins on that end flag with gpu-scope acquire loads and clears
+      it; then each thread loads its fragment). Unless s is the last segment, it then makes its own end state
+      end = M_s start + h_ext_s -- the link, as `AffineMergeTcSm90`'s: start^T hi / lo times M^T hi / lo (the
+      producer warp has waited for the summary count and loaded M's hi and lo by TMA into their own 64 KB of
+      shared memory), three RS wgmma products onto h_ext^T's fragment -- stores it and sets its end flag
+      (release), and only then runs the segment's chunks from `start` like `segment_outputs`. The last
+      segment stores the final state from the chain's registers at its end.
+    Every value is computed by exactly one CTA in a fixed order; the flags only order the work, never select it,
+    so the results do not depend on timing.
     """
 
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                  mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False,
                  ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False, pair: bool = False,
                  pdl: bool = False, consume: bool = False, raw_qk: bool = False, fold: bool = False):
-        if mode not in ("forward", "segment_outputs", "summary"):
-            raise ValueError(f"mode must be 'forward', 'segment_outputs' or 'summary', got {mode!r}")
+        if mode not in ("forward", "segment_outputs", "summary", "lookback"):
+            raise ValueError(f"mode must be 'forward', 'segment_outputs', 'summary' or 'lookback', got {mode!r}")
+        if mode == "lookback" and (not (rs and ring_decay) or pair or tma_o or u_fast or consume or profile):
+            raise ValueError("lookback mode needs rs=True and ring_decay=True, without pair, tma_o, u_fast, "
+                             "consume and profile")
         if num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}")
         self.io_dtype = io_dtype
@@ -160,6 +188,7 @@ class ChunkStatePassSm90:
         self.num_threads = 128 * (1 + self.num_consumers)
         self.u_cols = V_BLOCK * self.num_consumers   # u columns per ring stage (pair: both V blocks)
         self.outputs = mode != "summary"
+        self.lookback = mode == "lookback"
         wide_tiles = 3 if self.outputs else 2   # qg, w, kg (summary: w, kg)
         narrow_tiles = 1 if self.outputs else 0   # aqk
         self.tma_bytes = ((wide_tiles * C * K_DIM + narrow_tiles * C * C + C * self.u_cols)
@@ -182,6 +211,8 @@ class ChunkStatePassSm90:
         grid_x: Int32,
         flags: cute.Tensor,          # consume: int32 [(sequences x chunks per sequence) x H] (else any int32)
         chunks_per_seq: Int32,
+        lb_m: cute.Tensor,           # lookback: 16-bit [2 slots, H, 128, 128] (else any such tensor)
+        lb_ws: cute.Tensor,          # lookback: fp32 [2 x slots x H x V / 64 x 8192] (else any fp32 vector)
         stream,
     ):
         io = self.io_dtype
@@ -215,6 +246,13 @@ class ChunkStatePassSm90:
         if cutlass.const_expr(self.tma_o):
             tma_os, tma_os_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), thd(o), narrow,
                                                            (C, V_BLOCK))
+        # lookback: M^T's hi / lo tiles [128 x 128] (rows (part, slot, head, k_in), columns k_out) load by TMA
+        tma_m, tma_m_t = tma_u, tma_u_t
+        if cutlass.const_expr(self.lookback):
+            rows = lb_m.shape[0] * lb_m.shape[1] * K_DIM
+            m2d = cute.make_tensor(lb_m.iterator, cute.make_layout((rows, K_DIM), stride=(lb_m.stride[2], 1)))
+            tma_m, tma_m_t = cpasync.make_tiled_tma_atom(op, m2d, wt.first_stage(wt.smem_layout(K_DIM, K_DIM, io)),
+                                                         (K_DIM, K_DIM))
 
         stages = self.num_stages
 
@@ -224,6 +262,7 @@ class ChunkStatePassSm90:
         t_elems = 8 if self.rs else C * V_BLOCK
         o_elems = 2 * C * V_BLOCK if self.tma_o else t_elems   # tma_o: two o tiles (chunk parity)
         eg_elems = self.eg_slot() * stages if self.ring_decay else 8
+        m_elems = K_DIM * K_DIM if self.lookback else 8   # lookback: M hi and lo, 32 KB each
 
         @cute.struct
         class SharedStorage:
@@ -238,13 +277,17 @@ class ChunkStatePassSm90:
             sO: cute.struct.Align[cute.struct.MemRange[io, o_elems], 1024]
             sDecay: cute.struct.MemRange[Float32, 2 * K_DIM]   # exp(G_last) per row of S (rs, KDA: 2 buffers)
             sEg: cute.struct.Align[cute.struct.MemRange[Float32, eg_elems], 128]   # ring_decay: per ring stage
+            sMhi: cute.struct.Align[cute.struct.MemRange[io, m_elems], 1024]   # lookback: the link's B operands
+            sMlo: cute.struct.Align[cute.struct.MemRange[io, m_elems], 1024]
+            link_mbar: cute.struct.MemRange[cutlass.Int64, 1]                  # lookback: M's TMA landed
+            ticket: cute.struct.MemRange[Int32, 1]                             # lookback: this CTA's tile
 
         self.shared_storage = SharedStorage
         self.smem_bytes = self.shared_storage.size_in_bytes()
         assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB of an SM90 CTA"
         self.kernel(tma_qg, tma_qg_t, tma_w, tma_w_t, tma_kg, tma_kg_t, tma_u, tma_u_t, tma_a, tma_a_t,
-                    tma_os, tma_os_t, eg, o, initial_state, final_state, tiles, num_tiles, flags,
-                    chunks_per_seq).launch(
+                    tma_os, tma_os_t, tma_m, tma_m_t, eg, o, initial_state, final_state, tiles, num_tiles,
+                    flags, chunks_per_seq, lb_ws, lb_m).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.pdl,
         )
@@ -258,8 +301,10 @@ class ChunkStatePassSm90:
         tma_u: cute.CopyAtom, mU: cute.Tensor,
         tma_a: cute.CopyAtom, mA: cute.Tensor,
         tma_os: cute.CopyAtom, mOT: cute.Tensor,
+        tma_m: cute.CopyAtom, mM: cute.Tensor,
         mEg: cute.Tensor, mO: cute.Tensor, mS0: cute.Tensor, mSN: cute.Tensor,
-        mTiles: cute.Tensor, num_tiles: Int32, mFlags: cute.Tensor, chunks_per_seq: Int32,
+        mTiles: cute.Tensor, num_tiles: Int32, mFlags: cute.Tensor, chunks_per_seq: Int32, mWs: cute.Tensor,
+        mMg: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -281,6 +326,14 @@ class ChunkStatePassSm90:
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         sched = TileScheduler.create(mTiles, num_tiles, False)
+        if cutlass.const_expr(self.lookback):
+            ticket = st.ticket.get_tensor(cute.make_layout(1))
+            if tidx == 0:
+                cute.arch.mbarrier_init(st.link_mbar.data_ptr(), 1)
+                take_ticket(mFlags.iterator, num_tiles, ticket)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            sched = TicketScheduler.create(mTiles, num_tiles, ticket)
         sQg = wt.smem_view(st.sQg, io, C, K_DIM, ns)                 # (token, channel, stage)
         sW = wt.smem_view(st.sW, io, C, K_DIM, ns)
         sKg_mn = wt.smem_view(st.sKg, io, C, K_DIM, ns, True)        # (channel, token, stage)
@@ -292,6 +345,8 @@ class ChunkStatePassSm90:
                 cpasync.prefetch_descriptor(atom)
             if cutlass.const_expr(self.tma_o):
                 cpasync.prefetch_descriptor(tma_os)
+            if cutlass.const_expr(self.lookback):
+                cpasync.prefetch_descriptor(tma_m)
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(40)
@@ -302,8 +357,9 @@ class ChunkStatePassSm90:
                 if cutlass.const_expr(self.outputs):
                     loads = loads + ((tma_qg, mQg, sQg, K_DIM, False), (tma_a, mA, sA, C, False))
                 sEg = st.sEg.get_tensor(cute.make_layout((self.eg_slot(), ns), stride=(1, self.eg_slot())))
+                link = (tma_m, mM, st)
                 self.producer(sched, load, loads, mU.shape[1] // self.u_cols, mEg, sEg, tidx % 32, mFlags,
-                              chunks_per_seq)
+                              chunks_per_seq, link)
         else:
             cute.arch.setmaxregister_increase(232)
             if cutlass.const_expr(self.rs):
@@ -311,19 +367,21 @@ class ChunkStatePassSm90:
                 # doubled the chain's time per chunk (H200: 1.06 -> 2.29 us)
                 if wg == 1:
                     self.consumer_rs(sched, load, tidx - 128, 0, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st,
-                                     tma_os, mOT)
+                                     tma_os, mOT, mFlags, mWs, mMg)
                 if cutlass.const_expr(self.pair):
                     if wg == 2:
                         self.consumer_rs(sched, load, tidx - 256, 1, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN,
-                                         st, tma_os, mOT)
+                                         st, tma_os, mOT, mFlags, mWs, mMg)
             else:
                 self.consumer(sched, load, tidx - 128, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st)
 
     @cute.jit
-    def producer(self, sched, load, loads, n_vb, mEg, sEg, lane, mFlags, chunks_per_seq):
+    def producer(self, sched, load, loads, n_vb, mEg, sEg, lane, mFlags, chunks_per_seq, link):
         """One chunk per ring stage: the five tiles of `loads` ((atom, tensor, smem, columns, by_block): the column
         tile is the work tile's block where `by_block` (u), else 0; `n_vb`: the number of u column tiles), and with
-        `ring_decay` the chunk's exp(G_last) (from `mEg` into the stage's column of `sEg`, by the warp's lanes)."""
+        `ring_decay` the chunk's exp(G_last) (from `mEg` into the stage's column of `sEg`, by the warp's lanes).
+        `lookback`: an output tile with a link first loads M's hi / lo (`load_link`; `link` = (atom, tensor, smem
+        storage)); a summary tile's u columns are those of its summary block."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         work = sched.initial_work()
         while work.is_valid:
@@ -333,6 +391,13 @@ class ChunkStatePassSm90:
             if cutlass.const_expr(self.mode == "summary"):
                 if blk >= n_vb:
                     blk = Int32(0)   # M columns: u is not used (any in-bounds tile keeps the byte count)
+            if cutlass.const_expr(self.lookback):
+                if blk >= n_vb:   # a summary tile: block n_vb + summary block
+                    blk = blk - n_vb
+                    if blk >= n_vb:
+                        blk = Int32(0)
+                else:
+                    self.load_link(work, blk, n_vb, link, lane, mFlags, mEg.shape[1])
             n_chunks = work.chunk_end - work.chunk_start
             ready = Int32(0)   # consume: chunks [0, ready) of the tile are known published
             for c in cutlass.range(n_chunks, unroll=1):
@@ -390,6 +455,39 @@ class ChunkStatePassSm90:
                 state.advance()
             work = sched.advance(work)
         load.producer_tail(state)
+
+    @cute.jit
+    def load_link(self, work, blk, n_vb, link, lane, mFlags, num_heads):
+        """`lookback`, producer warp, output tile in V block `blk`: unless the tile's segment is its sequence's
+        last (no link) or the first without an initial state (end = h_ext, no M), spin (lane 0, gpu-scope acquire
+        loads) until every M block of the segment's summary and its h_ext block have published, order the TMA
+        after that (proxy fence), and load M's hi and lo tiles into sMhi / sMlo, landing on `link_mbar`. The
+        consumer, which waits on that barrier, clears the count."""
+        tma_m, mM, st = link
+        needs_m = work.segment > 0
+        if cutlass.const_expr(self.has_initial_state):
+            needs_m = True
+        if not work.is_last_segment and needs_m:
+            slot = work.seg_slot
+            head = work.head
+            slots = mM.shape[0] // (2 * num_heads * K_DIM)
+            if lane == 0:
+                ptr = mFlags.iterator + lb_flag(slot, head, blk, num_heads, n_vb, slots, False)
+                seen = Int32(0)
+                while seen < 1 + K_DIM // V_BLOCK:
+                    seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+            cute.arch.sync_warp()
+            cute.arch.fence_proxy("async.global")
+            bar = st.link_mbar.data_ptr()
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * K_DIM * K_DIM * self.io_dtype.width // 8)
+            for part, field in ((0, st.sMhi), (1, st.sMlo)):
+                s_m = wt.smem_view(field, self.io_dtype, K_DIM, K_DIM)
+                g_tile = cute.local_tile(mM, (K_DIM, K_DIM), ((part * slots + slot) * num_heads + head, 0))
+                s_part, g_part = cpasync.tma_partition(
+                    tma_m, 0, cute.make_layout(1), cute.group_modes(s_m, 0, 2), cute.group_modes(g_tile, 0, 2),
+                )
+                cute.copy(tma_m, g_part, s_part[(None, 0)], tma_bar_ptr=bar)
 
     @cute.jit
     def wait_published(self, mFlags, idx, stride, left, lane) -> Int32:
@@ -495,12 +593,155 @@ class ChunkStatePassSm90:
         block is one of M's (blocks past the n_vb V blocks), whose columns then restart at 0. `pair`: the work
         tile's block b holds the 64-column blocks 2 b (consumer 0) and 2 b + 1 (consumer 1)."""
         blk = work.block * self.num_consumers + j
+        if cutlass.const_expr(self.lookback):
+            return self.lookback_columns(blk, n_vb)
         v0 = blk * V_BLOCK
         is_m = blk >= n_vb
         if cutlass.const_expr(self.mode == "summary"):
             if is_m:
                 v0 = (blk - n_vb) * V_BLOCK
         return v0, is_m
+
+    @cute.jit
+    def lookback_columns(self, blk, n_vb):
+        """`lookback`'s (v0, is_m) of table block `blk`: an output tile's V columns (blk < n_vb), or a summary
+        tile's (block n_vb + b: h_ext's columns 64 b for b < n_vb, else M's columns 64 (b - n_vb))."""
+        v0 = blk * V_BLOCK
+        is_m = blk < 0
+        if blk >= n_vb:
+            sb = blk - n_vb
+            is_m = sb >= n_vb
+            v0 = sb * V_BLOCK
+            if is_m:
+                v0 = (sb - n_vb) * V_BLOCK
+        return v0, is_m
+
+    @cute.jit
+    def lookback_start(self, work, head, v0, is_m, has_o, acc_s, cc_s, mS0, st, wtid, mFlags, mWs, num_heads,
+                       n_vb):
+        """`lookback`: the tile's start state S^T into acc_s ((v, k) coordinates cc_s). Summary tiles: 0 (h_ext)
+        or the identity (M). Output tiles: initial_state[seq] (or 0) in the first segment, else the end state of
+        the previous segment once its end flag is set (thread 0 spins, acquire, and clears it; each thread then
+        loads its own 64 floats); then, unless the segment is the sequence's last, the link (`lookback_link`)."""
+        if has_o:
+            blk = v0 // V_BLOCK
+            slot = work.seg_slot
+            slots = mWs.shape[0] // (2 * num_heads * n_vb * 128 * 64)
+            if work.segment == 0:
+                seq = work.seq
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    vv, kk = cc_s[i]
+                    if cutlass.const_expr(self.has_initial_state):
+                        acc_s[i] = mS0[seq, head, kk, v0 + vv]
+                    else:
+                        acc_s[i] = Float32(0.0)
+            else:
+                if wtid == 0:
+                    ptr = mFlags.iterator + lb_flag(slot - 1, head, blk, num_heads, n_vb, slots, True)
+                    seen = Int32(0)
+                    while seen == 0:
+                        seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+                    cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")   # back to 0 for the next launch
+                cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                self.load_fragment(acc_s, mWs, lb_fragment(1, slot - 1, head, blk, num_heads, n_vb, slots, wtid))
+            if not work.is_last_segment:
+                self.lookback_link(work, head, blk, slot, slots, acc_s, st, wtid, mFlags, mWs, num_heads, n_vb)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                vv, kk = cc_s[i]
+                acc_s[i] = cutlass.select_(is_m and kk == v0 + vv, Float32(1.0), Float32(0.0))
+
+    @cute.jit
+    def lookback_link(self, work, head, blk, slot, slots, acc_s, st, wtid, mFlags, mWs, num_heads, n_vb):
+        """`lookback`, output tile: end^T = start^T M^T + h_ext^T for this V block (start^T in acc_s, kept),
+        stored as this slot's end-state fragment, then the end flag set (gpu-scope release). The summary count
+        (h_ext's block and every M block) is acquired by thread 0 and cleared; M's hi / lo are in sMhi / sMlo once
+        `link_mbar` completes (the producer loaded them after the same count). Without M (the first segment and
+        no initial state) end = h_ext."""
+        io = self.io_dtype
+        needs_m = work.segment > 0
+        if cutlass.const_expr(self.has_initial_state):
+            needs_m = True
+        # start^T = hi + lo as 16-bit A operands, made before h_ext^T is loaded (fewer live registers)
+        a_hi = wt.acc_to_a(io, acc_s)
+        lo = cute.make_rmem_tensor_like(acc_s, Float32)
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            lo[i] = acc_s[i] - Float32(io(acc_s[i]))
+        a_lo = wt.acc_to_a(io, lo)
+        if needs_m:
+            cute.arch.mbarrier_wait(st.link_mbar.data_ptr(), 0)
+        if wtid == 0:
+            need = Int32(1)
+            if needs_m:
+                need = Int32(1 + K_DIM // V_BLOCK)
+            ptr = mFlags.iterator + lb_flag(slot, head, blk, num_heads, n_vb, slots, False)
+            seen = Int32(0)
+            while seen < need:
+                seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+            cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")
+        cute.arch.barrier(barrier_id=1, number_of_threads=128)
+        nxt = cute.make_rmem_tensor_like(acc_s, Float32)
+        self.load_fragment(nxt, mWs, lb_fragment(0, slot, head, blk, num_heads, n_vb, slots, wtid))
+        if needs_m:
+            # three products onto h_ext^T (lo x lo, ~2^-16 relative, dropped), one commit
+            # M^T landed row-major (k_in, k_out); viewed (k_out, k_in) it is an MN-major B (N, K)
+            sMhi = wt.smem_view(st.sMhi, io, K_DIM, K_DIM, 1, True)[None, None, 0]
+            sMlo = wt.smem_view(st.sMlo, io, K_DIM, K_DIM, 1, True)[None, None, 0]
+            wt.gemm_rs(io, wtid, nxt, a_hi, sMhi, True, True, K_DIM, wait=False)
+            wt.gemm_rs(io, wtid, nxt, a_hi, sMlo, True, True, K_DIM, wait=False)
+            wt.gemm_rs(io, wtid, nxt, a_lo, sMhi, True, True, K_DIM, wait=False)
+            warpgroup.wait_group(0)
+        self.store_fragment(nxt, mWs, lb_fragment(1, slot, head, blk, num_heads, n_vb, slots, wtid))
+        cute.arch.barrier(barrier_id=1, number_of_threads=128)   # every thread's stores before the release
+        if wtid == 0:
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.store(mFlags.iterator + lb_flag(slot, head, blk, num_heads, n_vb, slots, True), Int32(1),
+                            sem="release", scope="gpu")
+
+    @cute.jit
+    def lookback_publish_summary(self, work, head, v0, is_m, acc_s, cc_s, wtid, mFlags, mWs, mMg, num_heads,
+                                 n_vb):
+        """`lookback`, summary tile: h_ext^T's fragment -> lb_ws (part 0), or M's columns [v0, v0 + 64) (M^T's
+        rows) as hi / lo -> lb_m; then thread 0 adds 1 (release, after a gpu-scope fence) to the summary count of h_ext's V
+        block, or of every V block (an M block: every output block's link reads all of M)."""
+        io = self.io_dtype
+        slot = work.seg_slot
+        slots = mWs.shape[0] // (2 * num_heads * n_vb * 128 * 64)
+        if is_m:
+            # M^T's rows [v0, v0 + 64): row k_in of M^T holds M[:, k_in], so this thread's values (M^T's row
+            # v0 + vv, columns kk) are column pairs of its rows
+            g_hi = cute.domain_offset((v0, 0), mMg[slot, head, None, None])
+            g_lo = cute.domain_offset((v0, 0), mMg[slots + slot, head, None, None])
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                vv, kk = cc_s[i]
+                hi = io(acc_s[i])
+                g_hi[vv, kk] = hi
+                g_lo[vv, kk] = io(acc_s[i] - Float32(hi))
+        else:
+            self.store_fragment(acc_s, mWs, lb_fragment(0, slot, head, v0 // V_BLOCK, num_heads, n_vb, slots,
+                                                        wtid))
+        cute.arch.barrier(barrier_id=1, number_of_threads=128)
+        if wtid == 0:
+            cute.arch.fence_acq_rel_gpu()
+            if is_m:
+                for jj in cutlass.range(n_vb, unroll=1):
+                    cute.arch.atomic_add(mFlags.iterator + lb_flag(slot, head, jj, num_heads, n_vb, slots, False),
+                                         Int32(1), sem="release", scope="gpu")
+            else:
+                cute.arch.atomic_add(mFlags.iterator + lb_flag(slot, head, v0 // V_BLOCK, num_heads, n_vb, slots,
+                                                               False), Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def load_fragment(self, acc, mWs, offset):
+        """acc (64 fp32 of one consumer thread) <- mWs[offset, offset + 64) (16-byte vectors)."""
+        src = cute.make_tensor(mWs.iterator + cute.assume(offset, divby=64), cute.make_layout(cute.size(acc)))
+        cute.autovec_copy(src, cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc))))
+
+    @cute.jit
+    def store_fragment(self, acc, mWs, offset):
+        """mWs[offset, offset + 64) <- acc (64 fp32 of one consumer thread)."""
+        dst = cute.make_tensor(mWs.iterator + cute.assume(offset, divby=64), cute.make_layout(cute.size(acc)))
+        cute.autovec_copy(cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc))), dst)
 
     @cute.jit
     def load_start_state(self, work, head, v0, is_m, acc_s, cc_s, mS0, transposed: bool):
@@ -556,7 +797,8 @@ class ChunkStatePassSm90:
         return sDecay, cc_s, cc_t, acc_s, acc_v, acc_o
 
     @cute.jit
-    def consumer_rs(self, sched, load, wtid, j, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st, tma_os, mOT):
+    def consumer_rs(self, sched, load, wtid, j, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN, st, tma_os, mOT,
+                    mFlags, mWs, mMg):
         """`rs`: the state chain in registers (see the class docstring) of consumer warpgroup j (`pair`: 0 or 1,
         the work tile's two V blocks; else 0). Accumulators are indexed (v, n): v the row of S^T (a V column of the
         block), n a channel (S^T) or a token (v_new^T, o^T)."""
@@ -576,110 +818,22 @@ class ChunkStatePassSm90:
         p3 = cutlass.Int64(0)
         p4 = cutlass.Int64(0)
         work = sched.initial_work()
-        while work.is_valid:
-            head = work.head
-            v0, is_m = self.tile_columns(work, n_vb, j)
-            tok0 = work.tok_start
-            tok_end = work.tok_end
-            self.load_start_state(work, head, v0, is_m, acc_s, cc_s, mS0, True)
-
-            for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
-                ta = cutlass.Int64(0)
-                if cutlass.const_expr(self.profile):
-                    ta = cute.arch.clock64()
-                t0, L = chunk_rows(tok0, tok_end, c)
-                buf = chunks_done % 2
-                chunks_done = chunks_done + 1
-                dg = Float32(1.0)
-                if cutlass.const_expr(not self.ring_decay):
-                    if cutlass.const_expr(self.kda):
-                        # this buffer was last read two chunks ago, before the previous chunk's barrier
-                        sDecay[wtid, buf] = mEg[t0 + L - 1, head, wtid]
-                        cute.arch.barrier(barrier_id=1, number_of_threads=128)
-                    else:
-                        dg = Float32(mEg[t0 + L - 1, head])
-                load.consumer_wait(state)
-                stage = state.index
-                if cutlass.const_expr(self.raw_qk):
-                    dg = sEg[2 * C, stage]
-                elif cutlass.const_expr(self.ring_decay and not self.kda):
-                    dg = sEg[0, stage]
-                tb = cutlass.Int64(0)
-                if cutlass.const_expr(self.profile):
-                    tb = cute.arch.clock64()
-                # v_new^T = u^T - S^T w^T and o^T = S^T qg^T, one commit (A = S^T from registers)
-                rS = wt.acc_to_a(io, acc_s)
-                wt.gemm_rs(io, wtid, acc_v, rS, sW[None, None, stage], False, False, C, wait=False)
-                if cutlass.const_expr(self.outputs):
-                    wt.gemm_rs(io, wtid, acc_o, rS, sQg[None, None, stage], False, False, C, wait=False)
-                warpgroup.wait_group(0)
-                tc = cutlass.Int64(0)
-                if cutlass.const_expr(self.profile):
-                    tc = cute.arch.clock64()
-                if cutlass.const_expr(self.raw_qk and self.outputs):
-                    for i in cutlass.range_constexpr(cute.size(acc_o)):   # o^T's column n: times scale 2^G_n
-                        _, n = cc_t[i]
-                        acc_o[i] = acc_o[i] * sEg[n, stage]
-                if cutlass.const_expr(self.fold):   # R^T = v^T - P^T diag(2^G)
-                    for i in cutlass.range_constexpr(cute.size(acc_v)):
-                        _, n = cc_t[i]
-                        acc_v[i] = acc_v[i] * sEg[C + n, stage]
-                if cutlass.const_expr(self.u_fast):
-                    self.sub_u_fast(acc_v, cc_t, uflat, stage, wtid, is_m, L)
-                else:
-                    self.sub_u(acc_v, cc_t, sU, V_BLOCK * j, stage, is_m, L, True)
-                rV = wt.acc_to_a(io, acc_v)
-                rVk = rV   # the state update's A operand
-                if cutlass.const_expr(self.raw_qk and not self.fold):
-                    for i in cutlass.range_constexpr(cute.size(acc_v)):   # column n: times 2^(G_last - G_n)
-                        _, n = cc_t[i]
-                        acc_v[i] = acc_v[i] * sEg[C + n, stage]
-                    rVk = wt.acc_to_a(io, acc_v)
-                tc2 = cutlass.Int64(0)
-                if cutlass.const_expr(self.profile):
-                    tc2 = cute.arch.clock64()
-                # o^T += v_new^T Aqk^T and S^T <- S^T diag(exp(G_last)) + v_new^T kg, one commit (A = v_new^T)
-                if cutlass.const_expr(self.outputs):
-                    wt.gemm_rs(io, wtid, acc_o, rV, sA[None, None, stage], False, True, C, wait=False)
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    if cutlass.const_expr(self.kda and self.ring_decay):
-                        _, kk = cc_s[i]
-                        acc_s[i] = acc_s[i] * sEg[kk, stage]
-                    elif cutlass.const_expr(self.kda):
-                        _, kk = cc_s[i]
-                        acc_s[i] = acc_s[i] * sDecay[kk, buf]
-                    else:
-                        acc_s[i] = acc_s[i] * dg
-                wt.gemm_rs(io, wtid, acc_s, rVk, sKg_mn[None, None, stage], True, True, K_DIM, wait=False)
-                if cutlass.const_expr(self.outputs):
-                    # o^T is done one group before the state update: store it while the update runs
-                    warpgroup.wait_group(1)
-                    if cutlass.const_expr(self.tma_o):
-                        if L == C:
-                            ob = o_tiles % 2
-                            o_tiles = o_tiles + 1
-                            self.store_o_t_tma(acc_o, cc_t, sO, ob, wtid, tma_os, mOT, head, t0, v0)
-                        else:
-                            self.store_o_t(acc_o, cc_t, mO, head, t0, v0, L)
-                    else:
-                        self.store_o_t(acc_o, cc_t, mO, head, t0, v0, L)
-                td = cutlass.Int64(0)
-                if cutlass.const_expr(self.profile):
-                    td = cute.arch.clock64()
-                warpgroup.wait_group(0)
-                load.consumer_release(state)
-                state.advance()
-                if cutlass.const_expr(self.profile):
-                    te = cute.arch.clock64()
-                    p0 = p0 + (tb - ta)
-                    p1 = p1 + (tc - tb)
-                    p2 = p2 + (tc2 - tc)
-                    p3 = p3 + (te - td)
-                    p4 = p4 + (td - tc2)
-
-            if cutlass.const_expr(not self.profile):
-                self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, True)
-            work = sched.advance(work)
+        views = (sDecay, cc_s, cc_t, acc_s, acc_v, acc_o, sEg, sO, uflat, n_vb)
+        if cutlass.const_expr(self.lookback):
+            # one tile per CTA (its ticket): the chain is compiled twice, for output and for summary tiles, so
+            # neither has a runtime branch around its wgmma groups (one made ptxas serialize every wgmma, C7514)
+            if work.block < n_vb:
+                self.tile_rs(work, True, load, state, wtid, j, views, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN,
+                             st, tma_os, mOT, mFlags, mWs, mMg, chunks_done, o_tiles, p0, p1, p2, p3, p4)
+            else:
+                self.tile_rs(work, False, load, state, wtid, j, views, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN,
+                             st, tma_os, mOT, mFlags, mWs, mMg, chunks_done, o_tiles, p0, p1, p2, p3, p4)
+        else:
+            while work.is_valid:
+                state, chunks_done, o_tiles, p0, p1, p2, p3, p4 = self.tile_rs(
+                    work, self.outputs, load, state, wtid, j, views, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN,
+                    st, tma_os, mOT, mFlags, mWs, mMg, chunks_done, o_tiles, p0, p1, p2, p3, p4)
+                work = sched.advance(work)
 
         if cutlass.const_expr(self.tma_o):
             if wtid == 0:
@@ -694,6 +848,129 @@ class ChunkStatePassSm90:
                 flat[8 * bid + 5] = Float32(p4)
 
     @cute.jit
+    def tile_rs(self, work, has_o: bool, load, state, wtid, j, views, sQg, sW, sKg_mn, sU, sA, mEg, mO, mS0, mSN,
+                st, tma_os, mOT, mFlags, mWs, mMg, chunks_done, o_tiles, p0, p1, p2, p3, p4):
+        """One work tile of `consumer_rs`: start state, the chain over its chunks, end state. `has_o` (compile
+        time): whether it stores o (every mode but summary; lookback: output tiles). Returns the values carried
+        from tile to tile (pipeline state, chunk count, o tiles stored, profile cycles)."""
+        io = self.io_dtype
+        sDecay, cc_s, cc_t, acc_s, acc_v, acc_o, sEg, sO, uflat, n_vb = views
+        head = work.head
+        v0, is_m = self.tile_columns(work, n_vb, j)
+        tok0 = work.tok_start
+        tok_end = work.tok_end
+        if cutlass.const_expr(self.lookback):
+            self.lookback_start(work, head, v0, is_m, has_o, acc_s, cc_s, mS0, st, wtid, mFlags, mWs,
+                                mEg.shape[1], n_vb)
+        else:
+            self.load_start_state(work, head, v0, is_m, acc_s, cc_s, mS0, True)
+
+        for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
+            ta = cutlass.Int64(0)
+            if cutlass.const_expr(self.profile):
+                ta = cute.arch.clock64()
+            t0, L = chunk_rows(tok0, tok_end, c)
+            buf = chunks_done % 2
+            chunks_done = chunks_done + 1
+            dg = Float32(1.0)
+            if cutlass.const_expr(not self.ring_decay):
+                if cutlass.const_expr(self.kda):
+                    # this buffer was last read two chunks ago, before the previous chunk's barrier
+                    sDecay[wtid, buf] = mEg[t0 + L - 1, head, wtid]
+                    cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                else:
+                    dg = Float32(mEg[t0 + L - 1, head])
+            load.consumer_wait(state)
+            stage = state.index
+            if cutlass.const_expr(self.raw_qk):
+                dg = sEg[2 * C, stage]
+            elif cutlass.const_expr(self.ring_decay and not self.kda):
+                dg = sEg[0, stage]
+            tb = cutlass.Int64(0)
+            if cutlass.const_expr(self.profile):
+                tb = cute.arch.clock64()
+            # v_new^T = u^T - S^T w^T and o^T = S^T qg^T, one commit (A = S^T from registers)
+            rS = wt.acc_to_a(io, acc_s)
+            wt.gemm_rs(io, wtid, acc_v, rS, sW[None, None, stage], False, False, C, wait=False)
+            if has_o:
+                wt.gemm_rs(io, wtid, acc_o, rS, sQg[None, None, stage], False, False, C, wait=False)
+            warpgroup.wait_group(0)
+            tc = cutlass.Int64(0)
+            if cutlass.const_expr(self.profile):
+                tc = cute.arch.clock64()
+            if cutlass.const_expr(self.raw_qk):
+                if has_o:
+                    for i in cutlass.range_constexpr(cute.size(acc_o)):   # o^T's column n: times 2^G_n scale
+                        _, n = cc_t[i]
+                        acc_o[i] = acc_o[i] * sEg[n, stage]
+            if cutlass.const_expr(self.fold):   # R^T = v^T - P^T diag(2^G)
+                for i in cutlass.range_constexpr(cute.size(acc_v)):
+                    _, n = cc_t[i]
+                    acc_v[i] = acc_v[i] * sEg[C + n, stage]
+            if cutlass.const_expr(self.u_fast):
+                self.sub_u_fast(acc_v, cc_t, uflat, stage, wtid, is_m, L)
+            else:
+                self.sub_u(acc_v, cc_t, sU, V_BLOCK * j, stage, is_m, L, True)
+            rV = wt.acc_to_a(io, acc_v)
+            rVk = rV   # the state update's A operand
+            if cutlass.const_expr(self.raw_qk and not self.fold):
+                for i in cutlass.range_constexpr(cute.size(acc_v)):   # column n: times 2^(G_last - G_n)
+                    _, n = cc_t[i]
+                    acc_v[i] = acc_v[i] * sEg[C + n, stage]
+                rVk = wt.acc_to_a(io, acc_v)
+            tc2 = cutlass.Int64(0)
+            if cutlass.const_expr(self.profile):
+                tc2 = cute.arch.clock64()
+            # o^T += v_new^T Aqk^T and S^T <- S^T diag(exp(G_last)) + v_new^T kg, one commit (A = v_new^T)
+            if has_o:
+                wt.gemm_rs(io, wtid, acc_o, rV, sA[None, None, stage], False, True, C, wait=False)
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                if cutlass.const_expr(self.kda and self.ring_decay):
+                    _, kk = cc_s[i]
+                    acc_s[i] = acc_s[i] * sEg[kk, stage]
+                elif cutlass.const_expr(self.kda):
+                    _, kk = cc_s[i]
+                    acc_s[i] = acc_s[i] * sDecay[kk, buf]
+                else:
+                    acc_s[i] = acc_s[i] * dg
+            wt.gemm_rs(io, wtid, acc_s, rVk, sKg_mn[None, None, stage], True, True, K_DIM, wait=False)
+            if has_o:
+                # o^T is done one group before the state update: store it while the update runs
+                warpgroup.wait_group(1)
+                if cutlass.const_expr(self.tma_o):
+                    if L == C:
+                        ob = o_tiles % 2
+                        o_tiles = o_tiles + 1
+                        self.store_o_t_tma(acc_o, cc_t, sO, ob, wtid, tma_os, mOT, head, t0, v0)
+                    else:
+                        self.store_o_t(acc_o, cc_t, mO, head, t0, v0, L)
+                else:
+                    self.store_o_t(acc_o, cc_t, mO, head, t0, v0, L)
+            td = cutlass.Int64(0)
+            if cutlass.const_expr(self.profile):
+                td = cute.arch.clock64()
+            warpgroup.wait_group(0)
+            load.consumer_release(state)
+            state.advance()
+            if cutlass.const_expr(self.profile):
+                te = cute.arch.clock64()
+                p0 = p0 + (tb - ta)
+                p1 = p1 + (tc - tb)
+                p2 = p2 + (tc2 - tc)
+                p3 = p3 + (te - td)
+                p4 = p4 + (td - tc2)
+
+        if cutlass.const_expr(self.lookback):
+            if has_o:
+                self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, True)
+            else:
+                self.lookback_publish_summary(work, head, v0, is_m, acc_s, cc_s, wtid, mFlags, mWs, mMg,
+                                              mEg.shape[1], n_vb)
+        elif cutlass.const_expr(not self.profile):
+            self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN, True)
+        return state, chunks_done, o_tiles, p0, p1, p2, p3, p4
+
+    @cute.jit
     def sub_u(self, acc, coords, sU, u0, stage, is_m, L, transposed: bool):
         """v_new = u - (w S): acc <- u - acc (u: the stage's columns from u0), rows past the chunk end (token >=
         L) 0; summary mode's M blocks use u = 0. `coords` are the accumulator's (token, v), or (v, token) when
@@ -702,7 +979,7 @@ class ChunkStatePassSm90:
             a, b = coords[i]
             n, vv = (b, a) if transposed else (a, b)
             uval = Float32(sU[n, u0 + vv, stage])
-            if cutlass.const_expr(self.mode == "summary"):
+            if cutlass.const_expr(self.mode in ("summary", "lookback")):
                 uval = cutlass.select_(is_m, Float32(0.0), uval)
             acc[i] = cutlass.select_(n < L, uval - acc[i], Float32(0.0))
 
@@ -771,3 +1048,18 @@ def u_tile_offset(stage, v, n0, j):
     128-byte swizzle: the 16-byte column group of row n is XORed with n % 8), for n0 < 8. The 8-row blocks are
     512 elements apart and the swizzle only involves n0, so j only adds a constant."""
     return stage * (C * V_BLOCK) + n0 * V_BLOCK + (v ^ (n0 << 3)) + 8 * V_BLOCK * j
+
+
+def lb_flag(slot, head, blk, num_heads, n_vb, slots, end: bool):
+    """`lookback`: the index in `flags` of the summary count (`end` False) or the end flag (True) of (slot, head,
+    V block); index 0 is the ticket counter."""
+    i = 1 + (slot * num_heads + head) * n_vb + blk
+    if end:
+        i = i + slots * num_heads * n_vb
+    return i
+
+
+def lb_fragment(part, slot, head, blk, num_heads, n_vb, slots, wtid):
+    """`lookback`: the offset in `lb_ws` of consumer thread wtid's 64 floats of h_ext^T (part 0) or of the end
+    state (part 1) of (slot, head, V block)."""
+    return ((((part * slots + slot) * num_heads + head) * n_vb + blk) * 128 + wtid) * 64

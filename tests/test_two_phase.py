@@ -695,16 +695,19 @@ class PrepEmulator:
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("segments", [None, 4])
 @pytest.mark.parametrize("pair", ["0", "auto"])
-def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segments, pair):
+@pytest.mark.parametrize("lookback", [False, True])
+def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segments, pair, lookback):
     """chunk_gated_delta_rule / chunk_kda with CUTE_KERNELS_TWO_PHASE on: phase 1 + the (segmented) state pass
     wired from the op, checked on the CPU with both kernels emulated (GDN: GDN_FOLD's terms). STATE_PAIR "auto"
-    on a 4-SM device: the state pass's one-block tiles take more than one wave, so it runs `pair` tiles."""
+    on a 4-SM device: the state pass's one-block tiles take more than one wave, so it runs `pair` tiles.
+    STATE_LOOKBACK: a segmented state pass is one "lookback" launch (one-block tiles), and `explain` says so."""
     import cute_kernels.ops.linear_attention as la
     import cute_kernels.runtime.arch as arch
     from schedulers import SegmentScheduler
 
     monkeypatch.setattr(la, "TWO_PHASE", True)
     monkeypatch.setattr(two_phase, "STATE_PAIR", pair)
+    monkeypatch.setattr(two_phase, "STATE_LOOKBACK", lookback)
     monkeypatch.setattr(la, "check_cuda", lambda **kw: torch.device("cpu"))
     monkeypatch.setattr(la, "_sm_count", lambda device: 4 if pair == "auto" else 132)
     monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
@@ -722,8 +725,12 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segm
     o, s = op(q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cut, scheduler=sched)
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
                                                    cu_seqlens=cut)
-    assert emulated_state_pass[-1] == ("segment_outputs" if segments else emulated_state_pass[-1])
-    assert emulated_state_pass.pairs[-1] == (pair == "auto")
+    split = segments is not None and segments > 1
+    assert emulated_state_pass[-1] == (("lookback" if lookback else "segment_outputs") if split
+                                       else emulated_state_pass[-1])
+    assert emulated_state_pass.pairs[-1] == (pair == "auto" and not (lookback and split))
+    if split:
+        assert ("look-back chain" in la.last_plan()) == lookback, la.last_plan()
     assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2, (rel_err(o, want_o), rel_err(s, want_s))
 
 

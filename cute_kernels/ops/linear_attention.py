@@ -190,7 +190,12 @@ class PathChoice:
         if self.overlap:
             return (f"two-phase forward, overlapped: chunk_prep publishes each chunk, the state pass takes it at once"
                     f"\nsegments per sequence: 1 (all {self.num_seqs} sequences)\n- path: two-phase ({pred})")
-        return (f"two-phase forward: chunk_prep over every chunk, then the state pass\n"
+        state = "the state pass"
+        if self.num_segments > 1:
+            state = ("the state pass in one launch (summaries, look-back chain, outputs; STATE_LOOKBACK)"
+                     if _two_phase_module().STATE_LOOKBACK else
+                     "the state pass (summary launch, affine merge, output launch)")
+        return (f"two-phase forward: chunk_prep over every chunk, then {state}\n"
                 f"segments per sequence: {self.num_segments} (all {self.num_seqs} sequences)\n- path: two-phase ({pred})")
 
 

@@ -622,11 +622,33 @@ class ChunkStatePassSm90:
         """`lookback`: the tile's start state S^T into acc_s ((v, k) coordinates cc_s). Summary tiles: 0 (h_ext)
         or the identity (M). Output tiles: initial_state[seq] (or 0) in the first segment, else the end state of
         the previous segment once its end flag is set (thread 0 spins, acquire, and clears it; each thread then
-        loads its own 64 floats); then, unless the segment is the sequence's last, the link (`lookback_link`)."""
+        loads its own 64 floats). Unless the segment is its sequence's last, the tile also makes and publishes
+        its own end state (the link): everything the link needs but the start state -- the summary count, h_ext's
+        fragment, M's tiles -- is waited for and loaded first, so the chain's critical path per segment is the
+        flag, one fragment load, the three products and the publication."""
         if has_o:
             blk = v0 // V_BLOCK
             slot = work.seg_slot
             slots = mWs.shape[0] // (2 * num_heads * n_vb * 128 * 64)
+            link = not work.is_last_segment
+            needs_m = work.segment > 0
+            if cutlass.const_expr(self.has_initial_state):
+                needs_m = True
+            nxt = cute.make_rmem_tensor_like(acc_s, Float32)   # the end state, from h_ext^T
+            if link:
+                if wtid == 0:
+                    need = Int32(1)
+                    if needs_m:
+                        need = Int32(1 + K_DIM // V_BLOCK)
+                    ptr = mFlags.iterator + lb_flag(slot, head, blk, num_heads, n_vb, slots, False)
+                    seen = Int32(0)
+                    while seen < need:
+                        seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+                    cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")   # back to 0 for the next launch
+                cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                self.load_fragment(nxt, mWs, lb_fragment(0, slot, head, blk, num_heads, n_vb, slots, wtid))
+                if needs_m:
+                    cute.arch.mbarrier_wait(st.link_mbar.data_ptr(), 0)   # M^T's hi / lo tiles landed
             if work.segment == 0:
                 seq = work.seq
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -641,49 +663,27 @@ class ChunkStatePassSm90:
                     seen = Int32(0)
                     while seen == 0:
                         seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-                    cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")   # back to 0 for the next launch
+                    cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
                 self.load_fragment(acc_s, mWs, lb_fragment(1, slot - 1, head, blk, num_heads, n_vb, slots, wtid))
-            if not work.is_last_segment:
-                self.lookback_link(work, head, blk, slot, slots, acc_s, st, wtid, mFlags, mWs, num_heads, n_vb)
+            if link:
+                self.lookback_link(slot, head, blk, slots, needs_m, acc_s, nxt, st, wtid, mFlags, mWs, num_heads,
+                                   n_vb)
         else:
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 vv, kk = cc_s[i]
                 acc_s[i] = cutlass.select_(is_m and kk == v0 + vv, Float32(1.0), Float32(0.0))
 
     @cute.jit
-    def lookback_link(self, work, head, blk, slot, slots, acc_s, st, wtid, mFlags, mWs, num_heads, n_vb):
-        """`lookback`, output tile: end^T = start^T M^T + h_ext^T for this V block (start^T in acc_s, kept),
-        stored as this slot's end-state fragment, then the end flag set (gpu-scope release). The summary count
-        (h_ext's block and every M block) is acquired by thread 0 and cleared; M's hi / lo are in sMhi / sMlo once
-        `link_mbar` completes (the producer loaded them after the same count). Without M (the first segment and
-        no initial state) end = h_ext."""
+    def lookback_link(self, slot, head, blk, slots, needs_m, acc_s, nxt, st, wtid, mFlags, mWs, num_heads, n_vb):
+        """`lookback`, output tile: end^T = start^T M^T + h_ext^T for this V block (start^T in acc_s, kept; nxt
+        holds h_ext^T), as `AffineMergeTcSm90`'s link: start^T = hi + lo (16-bit A operands), three products onto
+        h_ext^T (lo x lo, ~2^-16 relative, dropped), one commit -- without M (the first segment and no initial
+        state) end = h_ext. Then the end state is stored and its flag set (gpu-scope fence, release store)."""
         io = self.io_dtype
-        needs_m = work.segment > 0
-        if cutlass.const_expr(self.has_initial_state):
-            needs_m = True
-        # start^T = hi + lo as 16-bit A operands, made before h_ext^T is loaded (fewer live registers)
-        a_hi = wt.acc_to_a(io, acc_s)
-        lo = cute.make_rmem_tensor_like(acc_s, Float32)
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            lo[i] = acc_s[i] - Float32(io(acc_s[i]))
-        a_lo = wt.acc_to_a(io, lo)
         if needs_m:
-            cute.arch.mbarrier_wait(st.link_mbar.data_ptr(), 0)
-        if wtid == 0:
-            need = Int32(1)
-            if needs_m:
-                need = Int32(1 + K_DIM // V_BLOCK)
-            ptr = mFlags.iterator + lb_flag(slot, head, blk, num_heads, n_vb, slots, False)
-            seen = Int32(0)
-            while seen < need:
-                seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-            cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")
-        cute.arch.barrier(barrier_id=1, number_of_threads=128)
-        nxt = cute.make_rmem_tensor_like(acc_s, Float32)
-        self.load_fragment(nxt, mWs, lb_fragment(0, slot, head, blk, num_heads, n_vb, slots, wtid))
-        if needs_m:
-            # three products onto h_ext^T (lo x lo, ~2^-16 relative, dropped), one commit
+            a_hi = wt.acc_to_a(io, acc_s)
+            a_lo = wt.acc_to_a_lo(io, acc_s)
             # M^T landed row-major (k_in, k_out); viewed (k_out, k_in) it is an MN-major B (N, K)
             sMhi = wt.smem_view(st.sMhi, io, K_DIM, K_DIM, 1, True)[None, None, 0]
             sMlo = wt.smem_view(st.sMlo, io, K_DIM, K_DIM, 1, True)[None, None, 0]

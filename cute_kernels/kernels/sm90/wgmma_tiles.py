@@ -112,6 +112,22 @@ def acc_to_a(io_dtype, acc):
     values, converted, viewed as ((2, 2, 2), 1, N / 16), i.e. k-block kb = column groups 2 kb and 2 kb + 1."""
     frag = cute.make_rmem_tensor_like(acc, io_dtype)
     frag.store(acc.load().to(io_dtype))
+    return _as_a(frag)
+
+
+@cute.jit
+def acc_to_a_lo(io_dtype, acc):
+    """`acc_to_a` of the rounding residue acc - float(16-bit(acc)), elementwise, without an fp32 copy: with
+    `acc_to_a(acc)` the two halves of a split product (x = hi + lo to ~2^-16 relative)."""
+    frag = cute.make_rmem_tensor_like(acc, io_dtype)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        frag[i] = io_dtype(acc[i] - Float32(io_dtype(acc[i])))
+    return _as_a(frag)
+
+
+@cute.jit
+def _as_a(frag):
+    """A 16-bit copy of an accumulator fragment viewed as an RS wgmma's A operand (see `acc_to_a`)."""
     lay = frag.layout
     s = lay.stride[0]
     groups = lay.shape[0][2]

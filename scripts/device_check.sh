@@ -2,7 +2,7 @@
 # Build, check and time on the GPU machine in one call (see README "Running on the H200").
 # Usage (from the repo root, after `source .wheelhouse/b/install.sh`):
 #   bash scripts/device_check.sh [tests] [gpu-tests] [gdn-tests] [seg-tests] [merge-tests] [gdn-smoke] [gdn-profile] [kda-profile]
-#                                [host] [merge-time] [two-phase] [two-phase-tests] [two-phase-quick] [prep-time] [state-time] [state-profile] [pair] [regs] [regs-profile] [overlap] [bench-OP-GRID] ...
+#                                [host] [merge-time] [two-phase] [two-phase-tests] [two-phase-quick] [prep-time] [state-time] [state-profile] [pair] [pair-auto] [lookback] [regs] [regs-profile] [overlap] [bench-OP-GRID] ...
 #   e.g. BENCH_ARGS=--graph bash scripts/device_check.sh gdn-smoke gdn-tests bench-gdn-large
 # Logs and JSON go to $OUT (or ./device_out), so they come back with the call.
 set -uo pipefail
@@ -83,6 +83,16 @@ for stage in $stages; do
       timeout -s INT -k 10 ${PAIR_TEST_S:-150} python3 -m pytest tests/test_two_phase.py -q --tb=line -p no:cacheprovider -k "rs-pair or orchestration" 2>&1 | tee "$out/pair_tests.log" | tail -6
       status=$((status | ${PIPESTATUS[0]}))
       timeout -s INT -k 20 $t python3 scripts/time_two_phase.py pair 2>&1 | tee "$out/pair_time.log" | grep -v Warn
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    lookback)   # the one-launch segmented state pass (STATE_LOOKBACK): GPU tests (bitwise equal to the split launches, flags back at 0), then its time; a hang (a wait that never ends) is cut by the short limit
+      timeout -s INT -k 10 ${LOOKBACK_TEST_S:-180} python3 -m pytest tests/test_two_phase.py -q --tb=short -p no:cacheprovider -k "lookback" 2>&1 | tee "$out/lookback_tests.log" | tail -8
+      status=$((status | ${PIPESTATUS[0]}))
+      timeout -s INT -k 20 $t python3 scripts/time_two_phase.py lookback 2>&1 | tee "$out/lookback_time.log" | grep -v Warn
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    pair-auto)   # STATE_PAIR "auto" with the fold's terms: GPU tests, then its time on multi-wave cells beside FLA
+      timeout -s INT -k 10 ${PAIR_TEST_S:-150} python3 -m pytest tests/test_two_phase.py -q --tb=short -p no:cacheprovider -k "pair_state_pass or (two_phase_matches_reference and rs-pair)" 2>&1 | tee "$out/pair_auto_tests.log" | tail -6
+      status=$((status | ${PIPESTATUS[0]}))
+      timeout -s INT -k 20 $t python3 scripts/time_two_phase.py pair-auto 2>&1 | tee "$out/pair_auto_time.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
     state-profile)   # the state pass's cycles per chunk by phase (clock64 stamps, rs consumer)
       timeout -s INT -k 20 $t python3 scripts/time_two_phase.py chain 2>&1 | tee "$out/state_profile.log" | grep -v Warn

@@ -381,7 +381,8 @@ def test_lookback_state_pass_equals_split_launches(kda, B, T, H, with_init, N, v
     prep = two_phase.chunk_prep(q, k, v, g, beta, kda=kda, cu_seqlens=cu)
     split = two_phase.state_pass(prep, init, True, num_segments=N, cu_seqlens=cu)
     monkeypatch.setattr(two_phase, "STATE_LOOKBACK", True)
-    plan = two_phase.state_plan(B, T, H, two_phase._cu_tuple(cu, B, T), kda, q.dtype, with_init, True, N, q.device)
+    plan = two_phase.state_plan(B, T, H, two_phase._cu_tuple(cu, B, T), prep.kda, prep.u.dtype, with_init, True, N,
+                                prep.u.device, prep.raw, prep.fold)   # the plan state_pass takes (same key)
     assert plan.lookback
     runs = []
     for _ in range(2):
@@ -390,6 +391,7 @@ def test_lookback_state_pass_equals_split_launches(kda, B, T, H, with_init, N, v
         o, s = two_phase.state_pass(prep, init, True, num_segments=N, cu_seqlens=cu)
         torch.cuda.synchronize()
         assert int(plan.flags.abs().sum()) == 0, "flags not back at 0"
+        assert not plan.launch[6].isnan().all(), "the plan's workspace was not written: another plan ran"
         assert not o.isnan().any() and not s.isnan().any()
         runs.append((o.clone(), s.clone()))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), "run-to-run difference"

@@ -1012,6 +1012,31 @@ def test_state_pass_profile_mode_is_rs_only_and_owns_final_state(monkeypatch):
                                pair=True)
 
 
+def test_lookback_mode_options_and_workspace_indices(monkeypatch):
+    """The lookback build needs the rs chain with ring decays and one block per CTA; its flag and fragment
+    indices (`lb_flag`, `lb_fragment`) are distinct and inside the flags / workspace the plan allocates (the
+    ticket counter alone at index 0)."""
+    from cute_kernels.runtime.arch import import_cutlass
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
+    cutlass = import_cutlass()
+    from cute_kernels.kernels.sm90.state_pass import ChunkStatePassSm90, lb_flag, lb_fragment
+
+    ok = dict(rs=True, ring_decay=True)
+    assert ChunkStatePassSm90(cutlass.BFloat16, True, True, True, "lookback", **ok).lookback
+    for bad in ({"rs": False, "ring_decay": False}, {"ring_decay": False}, {"pair": True}, {"tma_o": True},
+                {"u_fast": True}, {"consume": True}):
+        with pytest.raises(ValueError, match="lookback mode needs|consume"):
+            ChunkStatePassSm90(cutlass.BFloat16, False, True, True, "lookback", **{**ok, **bad})
+    slots, H, n_vb = 5, 3, 2
+    keys = [(s_, h, b) for s_ in range(slots) for h in range(H) for b in range(n_vb)]
+    flags = [lb_flag(*k, H, n_vb, slots, end) for end in (False, True) for k in keys]
+    assert sorted(flags) == list(range(1, 1 + 2 * slots * H * n_vb))   # the plan's flags: 1 + 2 slots H n_vb
+    starts = sorted(lb_fragment(part, *k, H, n_vb, slots, t) for part in (0, 1) for k in keys for t in range(128))
+    assert starts == list(range(0, 2 * slots * H * n_vb * 128 * 64, 64))   # 64 floats each, tiling lb_ws
+
+
 U_OFFSET_CHECK = r"""
 import os
 os.environ["CUTE_DSL_ARCH"] = "sm_90a"

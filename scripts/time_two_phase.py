@@ -329,7 +329,7 @@ def time_lookback():
     bitwise equal), then the op (its own segment count) under both beside FLA. LOOKBACK_CELLS="B,H,T;..." and
     LOOKBACK_SEGMENTS="4,9,16" pick the cells and the counts, LOOKBACK_OPS=gdn,kda the ops."""
     cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
-        "LOOKBACK_CELLS", "1,4,16384;1,4,8192;1,16,4096;2,16,2048").split(";")]
+        "LOOKBACK_CELLS", "1,4,16384;1,16,4096;2,16,2048").split(";")]
     counts = [int(n) for n in os.environ.get("LOOKBACK_SEGMENTS", "4,9,16").split(",")]
     ops_ = os.environ.get("LOOKBACK_OPS", "gdn,kda").split(",")
     default = two_phase.STATE_LOOKBACK

@@ -34,6 +34,11 @@ from cute_kernels.ops import two_phase
 CELLS = [(1, 4, 1024), (1, 4, 4096), (1, 4, 8192), (1, 4, 16384), (2, 16, 8192), (8, 8, 4096)]
 
 
+def env_cells(name: str, default: str) -> list[tuple[int, ...]]:
+    """(B, H, T) cells from the environment variable `name` ("B,H,T;B,H,T;..."), else from `default`."""
+    return [tuple(int(v) for v in c.split(",")) for c in os.environ.get(name, default).split(";")]
+
+
 def graph_us(fn, calls: int = 10, reps: int = 5) -> float:
     """GPU time per call: `calls` calls captured in one CUDA graph, replayed `reps` times (median)."""
     fn()
@@ -229,8 +234,7 @@ def time_prep_profile():
 def time_paths():
     """Large B x H: the fused forward against the two-phase path (both forced), GDN and KDA, FLA beside -- the
     cells where the cost models decide between them (PATH_CELLS=B,H,T;B,H,T overrides; PATH_OPS=gdn,kda)."""
-    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
-        "PATH_CELLS", "16,64,4096;4,32,4096").split(";")]
+    cells = env_cells("PATH_CELLS", "16,64,4096;4,32,4096")
     for op in os.environ.get("PATH_OPS", "gdn,kda").split(","):
         _, peer = ops.load_peer(op)
         ours, _ = ops.load_ours(op)
@@ -297,8 +301,7 @@ def time_pair_auto():
     pass alone, unsplit, one-block tiles against `pair` tiles (graph replay; o and the final state must be bitwise
     equal: each consumer runs the same math), then the op under STATE_PAIR "0" and "auto" beside FLA.
     PAIR_AUTO_CELLS="B,H,T;..." picks the cells, PAIR_AUTO_OPS=gdn,kda the ops."""
-    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
-        "PAIR_AUTO_CELLS", "16,64,4096;8,32,4096;8,16,4096;4,64,16384").split(";")]
+    cells = env_cells("PAIR_AUTO_CELLS", "16,64,4096;8,32,4096;8,16,4096;4,64,16384")
     ops_ = os.environ.get("PAIR_AUTO_OPS", "gdn,kda").split(",")
     default = two_phase.STATE_PAIR
     for op in ops_:
@@ -328,8 +331,7 @@ def time_lookback():
     outputs), the state pass alone at several segment counts (graph replay; o and the final state must be
     bitwise equal), then the op (its own segment count) under both beside FLA. LOOKBACK_CELLS="B,H,T;..." and
     LOOKBACK_SEGMENTS="4,9,16" pick the cells and the counts, LOOKBACK_OPS=gdn,kda the ops."""
-    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
-        "LOOKBACK_CELLS", "1,4,16384;1,16,4096;2,16,2048").split(";")]
+    cells = env_cells("LOOKBACK_CELLS", "1,4,16384;1,16,4096;2,16,2048")
     counts = [int(n) for n in os.environ.get("LOOKBACK_SEGMENTS", "4,9,16").split(",")]
     ops_ = os.environ.get("LOOKBACK_OPS", "gdn,kda").split(",")
     default = two_phase.STATE_LOOKBACK
@@ -509,8 +511,7 @@ def time_overlap():
     NaN, and the model's prediction. OVERLAP_OPS=gdn,kda picks the ops, OVERLAP_CELLS="B,H,T;..." the cells."""
     from schedulers import Problem
 
-    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
-        "OVERLAP_CELLS", "1,16,2048;1,16,4096;1,16,8192;2,8,4096;1,8,8192;4,4,8192").split(";")]
+    cells = env_cells("OVERLAP_CELLS", "1,16,2048;1,16,4096;1,16,8192;2,8,4096;1,8,8192;4,4,8192")
     raw_default = two_phase.OVERLAP_RAW
 
     def setting(overlap, raw):
@@ -554,8 +555,7 @@ def op_ab(op_names, cells, setting, labels):
 def time_raw():
     """GDN_RAW_QK off ("gated": phase 1 writes qg, kg) and on ("raw": the state pass reads q, k): phase 1 alone
     (slim, graph replay), then the op beside FLA (`time_op_settings`). RAW_CELLS="B,H,T;..." picks the cells."""
-    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
-        "RAW_CELLS", "1,4,4096;1,4,16384;1,16,2048;2,16,8192").split(";")]
+    cells = env_cells("RAW_CELLS", "1,4,4096;1,4,16384;1,16,2048;2,16,8192")
     prep_ab("gdn", cells, "GDN_RAW_QK", ("gated", "raw"))
     op_ab(["gdn"], cells, "GDN_RAW_QK", ("gated", "raw"))
 
@@ -564,8 +564,7 @@ def time_trio():
     """GDN's phase 1 (raw build) with two CTAs per SM against three (PREP_TRIO), the same tiles (two chunks each):
     graph-replay time, us per chunk per CTA at its own occupancy; then the op beside FLA under both settings
     (each plans with its own slots per SM). TRIO_CELLS="B,H,T;..." picks the cells."""
-    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
-        "TRIO_CELLS", "1,4,4096;1,4,16384;1,16,2048;2,16,8192;8,8,4096").split(";")]
+    cells = env_cells("TRIO_CELLS", "1,4,4096;1,4,16384;1,16,2048;2,16,8192;8,8,4096")
     prep_ab("gdn", cells, "PREP_TRIO", ("slim", "trio"), chunks_per_tile=2, slots_per_sm=(2, 3))
     op_ab(["gdn"], cells, "PREP_TRIO", ("slim", "trio"))
 
@@ -574,8 +573,7 @@ def time_solve_mma():
     """Phase 1 with its solve's doubling levels on the CUDA cores against tf32 mma.sync (PREP_SOLVE_MMA), GDN (raw,
     trio on large grids) and KDA (row-anchored): graph-replay time of phase 1 alone on the same tiles, then the op
     beside FLA under both. MMA_CELLS="B,H,T;..." picks the cells, MMA_OPS=gdn,kda the ops."""
-    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
-        "MMA_CELLS", "1,4,16384;2,16,8192;8,8,4096").split(";")]
+    cells = env_cells("MMA_CELLS", "1,4,16384;2,16,8192;8,8,4096")
     ops_ = os.environ.get("MMA_OPS", "gdn,kda").split(",")
     for op in ops_:
         prep_ab(op, cells, "PREP_SOLVE_MMA", ("cuda cores", "mma"), chunks_per_tile=2)
@@ -587,8 +585,7 @@ def time_balance():
     `prep_tile_counts`), then the op beside FLA under both. BAL_CELLS="B,H,T;..." picks the cells (default: the
     seed cells with 1024 chunk rows, where the model predicts 3 chunk times per slot instead of 4); BAL_OP=0 skips
     the op (and FLA's autotuning)."""
-    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
-        "BAL_CELLS", "1,4,16384;1,16,4096;2,16,2048;8,16,512").split(";")]
+    cells = env_cells("BAL_CELLS", "1,4,16384;1,16,4096;2,16,2048;8,16,512")
     prep_ab("gdn", cells, "PREP_BALANCE", ("two-chunk tiles", "balanced"))
     if os.environ.get("BAL_OP", "1") == "1":
         op_ab(["gdn"], cells, "PREP_BALANCE", ("two-chunk tiles", "balanced"))
@@ -597,8 +594,7 @@ def time_balance():
 def time_fold():
     """GDN's phase 1 writing w and u against GDN_FOLD's W2 and A1 (graph replay, the plan's own tiles), then the op
     beside FLA under both. FOLD_CELLS="B,H,T;..." picks the cells; FOLD_PREP=0 skips phase 1 alone."""
-    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
-        "FOLD_CELLS", "16,64,4096;8,32,4096;2,16,8192;1,4,16384").split(";")]
+    cells = env_cells("FOLD_CELLS", "16,64,4096;8,32,4096;2,16,8192;1,4,16384")
     if os.environ.get("FOLD_PREP", "1") == "1":
         prep_ab("gdn", cells, "GDN_FOLD", ("w, u", "fold"))
     op_ab(["gdn"], cells, "GDN_FOLD", ("w, u", "fold"))
@@ -608,8 +604,7 @@ def time_fold_chain():
     """GDN's raw state pass reading w, u against GDN_FOLD's (k, v, W2, A1): unsplit forward, plain
     build time (graph replay, us per chunk per CTA) and the profile build's cycles per chunk by phase, with o stored
     from registers and (FOLD_TMA_O=1) by TMA from shared memory. FOLD_CHAIN_CELLS="B,H,T;..." picks the cells."""
-    cells = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
-        "FOLD_CHAIN_CELLS", "2,16,8192;16,64,1024").split(";")]
+    cells = env_cells("FOLD_CHAIN_CELLS", "2,16,8192;16,64,1024")
     tma_os = (False, True) if os.environ.get("FOLD_TMA_O", "0") == "1" else (False,)
     for B, H, T in cells:
         x = ops.make_inputs("gdn", B, H, T, torch.bfloat16, "cuda")

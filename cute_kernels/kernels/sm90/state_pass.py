@@ -650,13 +650,7 @@ class ChunkStatePassSm90:
                 if needs_m:
                     cute.arch.mbarrier_wait(st.link_mbar.data_ptr(), 0)   # M^T's hi / lo tiles landed
             if work.segment == 0:
-                seq = work.seq
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    vv, kk = cc_s[i]
-                    if cutlass.const_expr(self.has_initial_state):
-                        acc_s[i] = mS0[seq, head, kk, v0 + vv]
-                    else:
-                        acc_s[i] = Float32(0.0)
+                self.load_start_state(work, head, v0, is_m, acc_s, cc_s, mS0, True)   # forward's: init or 0
             else:
                 if wtid == 0:
                     ptr = mFlags.iterator + lb_flag(slot - 1, head, blk, num_heads, n_vb, slots, True)
@@ -746,8 +740,8 @@ class ChunkStatePassSm90:
     @cute.jit
     def load_start_state(self, work, head, v0, is_m, acc_s, cc_s, mS0, transposed: bool):
         """The tile's start state into acc_s (coordinates cc_s: (k, v), or (v, k) when `transposed`): summary h
-        blocks from 0, M blocks from the identity; segment outputs from start_states[seg_slot]; forward from
-        initial_state[seq] or 0."""
+        blocks from 0, M blocks from the identity; segment outputs from start_states[seg_slot]; forward (and
+        lookback's first segments) from initial_state[seq] or 0."""
         src = work.seq   # work fields are loads from the tile table: read each once
         if cutlass.const_expr(self.mode == "segment_outputs"):
             src = work.seg_slot

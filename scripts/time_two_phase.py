@@ -303,24 +303,11 @@ def time_pair_auto():
     PAIR_AUTO_CELLS="B,H,T;..." picks the cells, PAIR_AUTO_OPS=gdn,kda the ops."""
     cells = env_cells("PAIR_AUTO_CELLS", "16,64,4096;8,32,4096;8,16,4096;4,64,16384")
     ops_ = os.environ.get("PAIR_AUTO_OPS", "gdn,kda").split(",")
+    for op, (B, H, T), prep in cell_preps(ops_, cells):
+        line = compare_state_builds(prep, "STATE_PAIR", (("one block", "0"), ("pair", "1")))
+        print(f"{op} state pass B={B} H={H} T={T} ({'fold' if prep.fold else 'raw' if prep.raw else 'gated'}"
+              f" terms): {line}", flush=True)
     default = two_phase.STATE_PAIR
-    for op in ops_:
-        kda = op == "kda"
-        for B, H, T in cells:
-            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
-            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda)
-            line, outs = [], []
-            for name, pair in (("one block", "0"), ("pair", "1")):
-                two_phase.STATE_PAIR = pair
-                t = graph_us(lambda: two_phase.state_pass(prep, None, True), calls=3, reps=3)
-                o, s = two_phase.state_pass(prep, None, True)
-                outs.append((o.clone(), s.clone()))
-                line.append(f"{name} {t:.1f} us")
-            two_phase.STATE_PAIR = default
-            same = all(torch.equal(a, b) for a, b in zip(*outs))
-            nan = any(y.isnan().any().item() for x in outs for y in x)
-            print(f"{op} state pass B={B} H={H} T={T} ({'fold' if prep.fold else 'raw' if prep.raw else 'gated'}"
-                  f" terms): " + " | ".join(line) + f" | bitwise equal {same}, NaN {nan}", flush=True)
     settings = [(label, lambda p=p: setattr(two_phase, "STATE_PAIR", p)) for label, p in (("one block", "0"),
                                                                                          ("auto", "auto"))]
     time_op_settings(ops_, cells, settings, lambda: setattr(two_phase, "STATE_PAIR", default))
@@ -334,28 +321,41 @@ def time_lookback():
     cells = env_cells("LOOKBACK_CELLS", "1,4,16384;1,16,4096;2,16,2048")
     counts = [int(n) for n in os.environ.get("LOOKBACK_SEGMENTS", "4,9,16").split(",")]
     ops_ = os.environ.get("LOOKBACK_OPS", "gdn,kda").split(",")
+    for op, (B, H, T), prep in cell_preps(ops_, cells):
+        for n in counts:
+            line = compare_state_builds(prep, "STATE_LOOKBACK", (("split", False), ("lookback", True)),
+                                        num_segments=n)
+            print(f"{op} state pass B={B} H={H} T={T} N={n}: {line}", flush=True)
     default = two_phase.STATE_LOOKBACK
-    for op in ops_:
-        kda = op == "kda"
-        for B, H, T in cells:
-            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
-            prep = two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=kda)
-            for n in counts:
-                line, outs = [], []
-                for name, on in (("split", False), ("lookback", True)):
-                    two_phase.STATE_LOOKBACK = on
-                    t = graph_us(lambda: two_phase.state_pass(prep, None, True, num_segments=n), calls=3, reps=3)
-                    o, s = two_phase.state_pass(prep, None, True, num_segments=n)
-                    outs.append((o.clone(), s.clone()))
-                    line.append(f"{name} {t:.1f} us")
-                two_phase.STATE_LOOKBACK = default
-                same = all(torch.equal(a, b) for a, b in zip(*outs))
-                nan = any(y.isnan().any().item() for x in outs for y in x)
-                print(f"{op} state pass B={B} H={H} T={T} N={n}: " + " | ".join(line)
-                      + f" | bitwise equal {same}, NaN {nan}", flush=True)
     settings = [(label, lambda v=v: setattr(two_phase, "STATE_LOOKBACK", v)) for label, v in (("split", False),
                                                                                            ("lookback", True))]
     time_op_settings(ops_, cells, settings, lambda: setattr(two_phase, "STATE_LOOKBACK", default))
+
+
+def cell_preps(ops_, cells):
+    """(op, (B, H, T), phase 1's terms on the GPU with the default switches) for each op and cell."""
+    for op in ops_:
+        for B, H, T in cells:
+            x = ops.make_inputs(op, B, H, T, torch.bfloat16, "cuda")
+            yield op, (B, H, T), two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=op == "kda")
+
+
+def compare_state_builds(prep, switch: str, choices, **kw) -> str:
+    """The state pass on `prep` (no initial state, final state stored, `kw` to `state_pass`) under each (label,
+    value) of the module switch `two_phase.<switch>`: its graph-replay time, and whether o and the final state
+    are bitwise equal across the choices and free of NaN. The switch is restored."""
+    default = getattr(two_phase, switch)
+    line, outs = [], []
+    for name, value in choices:
+        setattr(two_phase, switch, value)
+        t = graph_us(lambda: two_phase.state_pass(prep, None, True, **kw), calls=3, reps=3)
+        o, s = two_phase.state_pass(prep, None, True, **kw)
+        outs.append((o.clone(), s.clone()))
+        line.append(f"{name} {t:.1f} us")
+    setattr(two_phase, switch, default)
+    same = all(torch.equal(a, b) for a, b in zip(*outs))
+    nan = any(y.isnan().any().item() for x in outs for y in x)
+    return " | ".join(line) + f" | bitwise equal {same}, NaN {nan}"
 
 
 def pair_profile():

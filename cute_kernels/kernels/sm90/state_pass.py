@@ -636,6 +636,10 @@ class ChunkStatePassSm90:
                 needs_m = True
             nxt = cute.make_rmem_tensor_like(acc_s, Float32)   # the end state, from h_ext^T
             if link:
+                if needs_m:
+                    # M^T's hi / lo tiles landed -- and so the producer warp, which spins on the same summary
+                    # count before loading them, has seen it: only now may thread 0 clear it
+                    cute.arch.mbarrier_wait(st.link_mbar.data_ptr(), 0)
                 if wtid == 0:
                     need = Int32(1)
                     if needs_m:
@@ -647,8 +651,6 @@ class ChunkStatePassSm90:
                     cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")   # back to 0 for the next launch
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
                 self.load_fragment(nxt, mWs, lb_fragment(0, slot, head, blk, num_heads, n_vb, slots, wtid))
-                if needs_m:
-                    cute.arch.mbarrier_wait(st.link_mbar.data_ptr(), 0)   # M^T's hi / lo tiles landed
             if work.segment == 0:
                 self.load_start_state(work, head, v0, is_m, acc_s, cc_s, mS0, True)   # forward's: init or 0
             else:
@@ -696,8 +698,8 @@ class ChunkStatePassSm90:
     def lookback_publish_summary(self, work, head, v0, is_m, acc_s, cc_s, wtid, mFlags, mWs, mMg, num_heads,
                                  n_vb):
         """`lookback`, summary tile: h_ext^T's fragment -> lb_ws (part 0), or M's columns [v0, v0 + 64) (M^T's
-        rows) as hi / lo -> lb_m; then thread 0 adds 1 (release, after a gpu-scope fence) to the summary count of h_ext's V
-        block, or of every V block (an M block: every output block's link reads all of M)."""
+        rows) as hi / lo -> lb_m; then thread 0 adds 1 (release, after a gpu-scope fence) to the summary count of
+        h_ext's V block, or of every V block (an M block: every output block's link reads all of M)."""
         io = self.io_dtype
         slot = work.seg_slot
         slots = mWs.shape[0] // (2 * num_heads * n_vb * 128 * 64)

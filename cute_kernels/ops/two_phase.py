@@ -740,7 +740,6 @@ class StatePlan:
         lb = lookback_schedule(_problem(B, T, H, cu, num_blocks=2), segmentation, init, m_blocks=2)
         slots = segmentation.total_segments
         self.lookback, self.init, self.device, self.split, self.pair = True, init, device, True, False
-        self.schedule = lb
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
         self.fn = compile_state_pass(io, kda, init, final, mode="lookback", rs=True, num_stages=2, ring_decay=True,
                                      tma_o=False, u_fast=False, pair=False, raw_qk=raw, fold=fold)
@@ -752,10 +751,7 @@ class StatePlan:
     def run(self, prep: PrepTerms, initial_state, o, final):
         dummy = final if final is not None else self.dummy
         terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
-        if self.lookback:
-            self.fn.fn(*terms, o, initial_state if self.init else dummy, dummy, *self.launch)
-            return o, final
-        if not self.split:
+        if self.lookback or not self.split:   # one launch
             self.fn.fn(*terms, o, initial_state if self.init else dummy, dummy, *self.launch)
             return o, final
         H = prep.kg.shape[2]

@@ -263,6 +263,7 @@ class ChunkStatePassSm90:
         o_elems = 2 * C * V_BLOCK if self.tma_o else t_elems   # tma_o: two o tiles (chunk parity)
         eg_elems = self.eg_slot() * stages if self.ring_decay else 8
         m_elems = K_DIM * K_DIM if self.lookback else 8   # lookback: M hi and lo, 32 KB each
+        m_align = 1024 if self.lookback else 16            # (other builds: no swizzle-aligned padding)
 
         @cute.struct
         class SharedStorage:
@@ -277,8 +278,8 @@ class ChunkStatePassSm90:
             sO: cute.struct.Align[cute.struct.MemRange[io, o_elems], 1024]
             sDecay: cute.struct.MemRange[Float32, 2 * K_DIM]   # exp(G_last) per row of S (rs, KDA: 2 buffers)
             sEg: cute.struct.Align[cute.struct.MemRange[Float32, eg_elems], 128]   # ring_decay: per ring stage
-            sMhi: cute.struct.Align[cute.struct.MemRange[io, m_elems], 1024]   # lookback: the link's B operands
-            sMlo: cute.struct.Align[cute.struct.MemRange[io, m_elems], 1024]
+            sMhi: cute.struct.Align[cute.struct.MemRange[io, m_elems], m_align]   # lookback: the link's B operands
+            sMlo: cute.struct.Align[cute.struct.MemRange[io, m_elems], m_align]
             link_mbar: cute.struct.MemRange[cutlass.Int64, 1]                  # lookback: M's TMA landed
             ticket: cute.struct.MemRange[Int32, 1]                             # lookback: this CTA's tile
 

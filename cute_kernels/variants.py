@@ -128,7 +128,7 @@ def _variants() -> list[Variant]:
                 ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"),
                 archs=("sm_90a",),
             ))
-    from .ops.two_phase import compile_chunk_prep, compile_state_pass
+    from .ops.two_phase import compile_chunk_prep, compile_segment_correction, compile_state_pass
 
     for kda in (False, True):   # the two-phase path (issue 5, experimental): phase 1 and phase 2
         op, tag = ("chunk_kda", "kda") if kda else ("chunk_gated_delta_rule", "gdn")
@@ -274,6 +274,24 @@ def _variants() -> list[Variant]:
                                ".reqntid 384"),
                 archs=("sm_90a",),
             ))
+        if not kda:   # the one-pass forward's correction (op-independent: o += qm S_0)
+            out.append(Variant(
+                "linear_attention", "segment_correction_sm90_bfloat16",
+                lambda d: compile_segment_correction(torch.bfloat16, dump_dir=d),
+                ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
+                               "mbarrier.try_wait", "ld.global.v4"),
+                archs=("sm_90a",),
+            ))
+        # summary_o: the one-pass segmented forward's summary launch (the chain's outputs stored too: o from 0 by
+        # the h_ext blocks, qm by the M blocks)
+        out.append(Variant(
+            op, f"{tag}_state_pass_sm90_bfloat16_summary_o" + ("" if kda else "_fold"),
+            lambda d, kda=kda: compile_state_pass(
+                torch.bfloat16, kda, False, False, mode="summary", dump_dir=d, rs=True, ring_decay=True,
+                tma_o=False, u_fast=False, pair=False, pdl=True, raw_qk=not kda, fold=not kda, summary_o=True),
+            ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor", "griddepcontrol.wait"),
+            archs=("sm_90a",),
+        ))
         # lookback: the segmented forward in one launch (tickets, summary counts and end flags in global memory,
         # the link on tensor cores); GDN with the fold's terms, KDA with its plain ones; with an initial state
         # (every link has an M) and without (the first link is h_ext alone)

@@ -8,8 +8,8 @@ Device half (CuTe DSL, imported lazily): `schedulers.device.TileScheduler` (bloc
 
 from .heuristics import (SegmentCost, SegmentPlan, plan_segments, plan_segments_by_cost, segmented_cost_us,
                          summary_blocks_of)
-from .host import (PersistentScheduler, Schedule, SegmentScheduler, SequenceScheduler, lookback_dependencies,
-                   lookback_schedule, schedule_from_segmentation, summary_schedule)
+from .host import (PersistentScheduler, Schedule, SegmentScheduler, SequenceScheduler, correction_schedule,
+                   lookback_dependencies, lookback_schedule, schedule_from_segmentation, summary_schedule)
 from .problem import NUM_TILE_FIELDS, TILE_FIELDS, Problem, Segmentation, WorkTile, ceil_div, split_even
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "TILE_FIELDS",
     "WorkTile",
     "ceil_div",
+    "correction_schedule",
     "lookback_dependencies",
     "lookback_schedule",
     "plan_segments",

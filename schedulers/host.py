@@ -11,7 +11,7 @@ wait on a predecessor segment (look-back) rely on it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .heuristics import SegmentCost, SegmentPlan, plan_segments, plan_segments_by_cost
 from .problem import TILE_FIELDS, Problem, Segmentation, WorkTile, split_even
@@ -168,7 +168,7 @@ def schedule_from_segmentation(problem: Problem, segmentation: Segmentation, nam
 
 
 def summary_schedule(problem: Problem, segmentation: Segmentation, first_m: bool, name: str = "segment-summary",
-                     h_blocks: int = 1) -> Schedule:
+                     h_blocks: int = 1, last: bool = False) -> Schedule:
     """The summary launch of a segmented forward: one CTA per summary tile that some start state needs.
 
     `problem.num_blocks` is the number of summary blocks per segment: blocks < `h_blocks` compute h_ext's columns,
@@ -176,14 +176,37 @@ def summary_schedule(problem: Problem, segmentation: Segmentation, first_m: bool
     columns). A sequence's last segment gets no tile (the output launch computes its end state), and its first
     segment only the h_ext blocks unless `first_m` (an initial state is given; without one the start is zero and
     M is never used); see `summary_blocks_of`. The tiles keep `_tiles`' order and their `seg_slot`s, so summaries
-    land in the same slots.
+    land in the same slots. `last`: the last segments get their tiles too (the one-pass forward: every segment's
+    chain runs only in the summary launch).
     """
     if len(segmentation.bounds) != problem.num_seqs:
         raise ValueError(f"segmentation has {len(segmentation.bounds)} sequences, the problem {problem.num_seqs}")
     if not 1 <= h_blocks < problem.num_blocks:
         raise ValueError(f"h_blocks must be in [1, num_blocks), got {h_blocks} with {problem.num_blocks} blocks")
     tiles = [t for t in _tiles(problem, segmentation)
-             if not t.is_last_segment and (t.block < h_blocks or first_m or t.segment != 0)]
+             if (last or not t.is_last_segment) and (t.block < h_blocks or first_m or t.segment != 0)]
+    return Schedule(tiles, (max(1, len(tiles)), 1, 1), False, segmentation, name)
+
+
+def correction_schedule(problem: Problem, segmentation: Segmentation, first_too: bool, chunks_per_tile: int,
+                        name: str = "segment-correction") -> Schedule:
+    """The one-pass forward's correction launch: o += qm S_0 over every segment whose start state S_0 is not
+    zero -- all but each sequence's first, which joins only with an initial state (`first_too`). One tile per
+    (sequence, segment, head, run of up to `chunks_per_tile` chunks), each keeping its segment's `seg_slot`
+    (where the merge leaves S_0); `block` 0 (a tile covers all V columns)."""
+    if chunks_per_tile < 1:
+        raise ValueError(f"chunks_per_tile must be >= 1, got {chunks_per_tile}")
+    C = problem.chunk_size
+    tiles = []
+    for t in _tiles(replace(problem, num_blocks=1), segmentation):
+        if t.segment == 0 and not first_too:
+            continue
+        start = problem.seq_starts[t.seq]
+        end = start + problem.seq_lens[t.seq]
+        for c0 in range(t.chunk_start, t.chunk_end, chunks_per_tile):
+            c1 = min(c0 + chunks_per_tile, t.chunk_end)
+            tiles.append(replace(t, chunk_start=c0, chunk_end=c1, tok_start=min(start + c0 * C, end),
+                                 tok_end=min(start + c1 * C, end)))
     return Schedule(tiles, (max(1, len(tiles)), 1, 1), False, segmentation, name)
 
 
@@ -197,8 +220,6 @@ def lookback_schedule(problem: Problem, segmentation: Segmentation, first_m: boo
     num_blocks: summary block `block - num_blocks`); then the output tiles ordered (segment, sequence, head,
     block). Every tile a tile waits on (`lookback_dependencies`) comes earlier in this order.
     """
-    from dataclasses import replace
-
     nb = problem.num_blocks
     summ = summary_schedule(replace(problem, num_blocks=nb + m_blocks), segmentation, first_m, h_blocks=nb)
     tiles = [replace(t, block=t.block + nb) for t in summ.tiles]

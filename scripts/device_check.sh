@@ -2,7 +2,7 @@
 # Build, check and time on the GPU machine in one call (see README "Running on the H200").
 # Usage (from the repo root, after `source .wheelhouse/b/install.sh`):
 #   bash scripts/device_check.sh [tests] [gpu-tests] [gdn-tests] [seg-tests] [merge-tests] [gdn-smoke] [gdn-profile] [kda-profile]
-#                                [host] [merge-time] [two-phase] [two-phase-tests] [two-phase-quick] [prep-time] [state-time] [state-profile] [pair] [pair-auto] [lookback] [regs] [regs-profile] [overlap] [bench-OP-GRID] ...
+#                                [host] [merge-time] [two-phase] [two-phase-tests] [two-phase-quick] [prep-time] [state-time] [state-profile] [pair] [pair-auto] [lookback] [one-pass] [regs] [regs-profile] [overlap] [bench-OP-GRID] ...
 #   e.g. BENCH_ARGS=--graph bash scripts/device_check.sh gdn-smoke gdn-tests bench-gdn-large
 # Logs and JSON go to $OUT (or ./device_out), so they come back with the call.
 set -uo pipefail
@@ -88,6 +88,11 @@ for stage in $stages; do
       timeout -s INT -k 10 ${LOOKBACK_TEST_S:-180} python3 -m pytest tests/test_two_phase.py -q --tb=short -p no:cacheprovider -k "lookback" 2>&1 | tee "$out/lookback_tests.log" | tail -8
       status=$((status | ${PIPESTATUS[0]}))
       timeout -s INT -k 20 $t python3 scripts/time_two_phase.py lookback 2>&1 | tee "$out/lookback_time.log" | grep -v Warn
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    one-pass)   # the one-pass segmented state pass (STATE_ONE_PASS): GPU tests (reference, 2x the split path's error, determinism), then its time beside the split and look-back launches
+      timeout -s INT -k 10 ${ONE_PASS_TEST_S:-180} python3 -m pytest tests/test_two_phase.py -q --tb=short -p no:cacheprovider -k "one_pass_state_pass" 2>&1 | tee "$out/one_pass_tests.log" | tail -8
+      status=$((status | ${PIPESTATUS[0]}))
+      timeout -s INT -k 20 $t python3 scripts/time_two_phase.py one-pass 2>&1 | tee "$out/one_pass_time.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
     pair-auto)   # STATE_PAIR "auto" with the fold's terms: GPU tests, then its time on multi-wave cells beside FLA
       timeout -s INT -k 10 ${PAIR_TEST_S:-150} python3 -m pytest tests/test_two_phase.py -q --tb=short -p no:cacheprovider -k "pair_state_pass or (two_phase_matches_reference and rs-pair)" 2>&1 | tee "$out/pair_auto_tests.log" | tail -6

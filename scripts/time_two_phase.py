@@ -332,6 +332,31 @@ def time_lookback():
     time_op_settings(ops_, cells, settings, lambda: setattr(two_phase, "STATE_LOOKBACK", default))
 
 
+def time_one_pass():
+    """STATE_ONE_PASS: the one-pass segmented state pass (summaries with the chains' outputs, merge, correction)
+    against the split launches and the look-back launch, the state pass alone at several segment counts (graph
+    replay; one-pass is not bitwise the split path's -- its outputs are o0 + qm S_0 --, so the relative
+    difference is printed), then the op under each beside FLA. ONE_PASS_CELLS / ONE_PASS_SEGMENTS / ONE_PASS_OPS
+    as LOOKBACK_*."""
+    cells = env_cells("ONE_PASS_CELLS", "1,4,16384;1,16,4096;2,16,2048")
+    counts = [int(n) for n in os.environ.get("ONE_PASS_SEGMENTS", "4,8,16").split(",")]
+    ops_ = os.environ.get("ONE_PASS_OPS", "gdn,kda").split(",")
+    modes = (("split", False, False), ("lookback", True, False), ("one-pass", False, True))
+
+    def setting(lookback, one_pass):
+        two_phase.STATE_LOOKBACK, two_phase.STATE_ONE_PASS = lookback, one_pass
+
+    default = (two_phase.STATE_LOOKBACK, two_phase.STATE_ONE_PASS)
+    for op, (B, H, T), prep in cell_preps(ops_, cells):
+        for n in counts:
+            line = compare_state_builds(prep, None, [(name, (lb, op1)) for name, lb, op1 in modes],
+                                        num_segments=n, set_fn=lambda v: setting(*v))
+            setting(*default)
+            print(f"{op} state pass B={B} H={H} T={T} N={n}: {line}", flush=True)
+    settings = [(name, lambda lb=lb, op1=op1: setting(lb, op1)) for name, lb, op1 in modes]
+    time_op_settings(ops_, cells, settings, lambda: setting(*default))
+
+
 def cell_preps(ops_, cells):
     """(op, (B, H, T), phase 1's terms on the GPU with the default switches) for each op and cell."""
     for op in ops_:
@@ -340,22 +365,28 @@ def cell_preps(ops_, cells):
             yield op, (B, H, T), two_phase.chunk_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], kda=op == "kda")
 
 
-def compare_state_builds(prep, switch: str, choices, **kw) -> str:
+def compare_state_builds(prep, switch: str | None, choices, set_fn=None, **kw) -> str:
     """The state pass on `prep` (no initial state, final state stored, `kw` to `state_pass`) under each (label,
-    value) of the module switch `two_phase.<switch>`: its graph-replay time, and whether o and the final state
-    are bitwise equal across the choices and free of NaN. The switch is restored."""
-    default = getattr(two_phase, switch)
+    value) of the module switch `two_phase.<switch>` (or `set_fn(value)`, the caller restoring): its graph-replay
+    time, and whether o and the final state are bitwise equal across the choices (else their largest relative
+    difference from the first) and free of NaN. The switch is restored."""
+    default = getattr(two_phase, switch) if switch else None
     line, outs = [], []
     for name, value in choices:
-        setattr(two_phase, switch, value)
+        if set_fn is not None:
+            set_fn(value)
+        else:
+            setattr(two_phase, switch, value)
         t = graph_us(lambda: two_phase.state_pass(prep, None, True, **kw), calls=3, reps=3)
         o, s = two_phase.state_pass(prep, None, True, **kw)
         outs.append((o.clone(), s.clone()))
         line.append(f"{name} {t:.1f} us")
-    setattr(two_phase, switch, default)
-    same = all(torch.equal(a, b) for a, b in zip(*outs))
+    if switch:
+        setattr(two_phase, switch, default)
+    same = all(torch.equal(a, b) for y in outs[1:] for a, b in zip(outs[0], y))
     nan = any(y.isnan().any().item() for x in outs for y in x)
-    return " | ".join(line) + f" | bitwise equal {same}, NaN {nan}"
+    diff = max(((a.float() - b.float()).norm() / b.float().norm()).item() for y in outs[1:] for a, b in zip(y, outs[0]))
+    return " | ".join(line) + f" | bitwise equal {same} (rel. diff {diff:.1e}), NaN {nan}"
 
 
 def pair_profile():
@@ -632,7 +663,7 @@ def time_fold_chain():
                       f"v_new {cyc[2]:.0f}, issue 2+o {cyc[3]:.0f}, update wait {cyc[4]:.0f}", flush=True)
 
 
-MODES = {"lookback": time_lookback, "pair-auto": time_pair_auto, "fold-chain": time_fold_chain, "fold": time_fold, "balance": time_balance, "solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+MODES = {"one-pass": time_one_pass, "lookback": time_lookback, "pair-auto": time_pair_auto, "fold-chain": time_fold_chain, "fold": time_fold, "balance": time_balance, "solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}
 
 

@@ -237,6 +237,39 @@ def test_lookback_schedule_puts_every_wait_before_its_waiter(first_m):
     assert len(by_key[(0, 2, 0, 0)]) == 1 and len(by_key[(1, 0, 0, 0)]) == 0   # last segments: no summary
 
 
+@pytest.mark.parametrize("first_too", [True, False])
+def test_correction_schedule_covers_every_corrected_token_once(first_too):
+    """The one-pass forward's correction launch: every token of every segment with a non-zero start (all but
+    the first, which joins with an initial state), per head, exactly once, in runs of at most `chunks_per_tile`
+    chunks inside one segment, each tile carrying its segment's slot; and `summary_schedule(last=True)` keeps
+    the last segments' summary tiles."""
+    from schedulers import correction_schedule, summary_schedule
+
+    p = Problem.varlen([0, 6 * 64, 6 * 64 + 100, 6 * 64 + 100 + 9 * 64 + 5], 2)
+    seg = Segmentation([split_even(6, 3), split_even(2, 1), split_even(10, 2)])
+    sched = correction_schedule(p, seg, first_too, chunks_per_tile=2)
+    covered = sorted((h, tok) for t in sched.tiles for h in [t.head] for tok in range(t.tok_start, t.tok_end))
+    want = []
+    for n, bounds in enumerate(seg.bounds):
+        start, length = p.seq_starts[n], p.seq_lens[n]
+        for s in range(len(bounds) - 1):
+            if s == 0 and not first_too:
+                continue
+            want += [(h, tok) for h in range(2)
+                     for tok in range(start + bounds[s] * 64, min(start + bounds[s + 1] * 64, start + length))]
+    assert covered == sorted(want)
+    for t in sched.tiles:
+        assert 1 <= t.chunk_end - t.chunk_start <= 2 and t.block == 0
+        assert seg.bounds[t.seq][t.segment] <= t.chunk_start and t.chunk_end <= seg.bounds[t.seq][t.segment + 1]
+        assert t.seg_slot == seg.seg_offsets[t.seq] + t.segment
+    with pytest.raises(ValueError, match="chunks_per_tile"):
+        correction_schedule(p, seg, first_too, chunks_per_tile=0)
+    p4 = Problem.varlen(list(p.seq_starts) + [p.seq_starts[-1] + p.seq_lens[-1]], 2, num_blocks=4)
+    last = {(t.seq, t.segment) for t in summary_schedule(p4, seg, True, h_blocks=2, last=True).tiles}
+    assert (0, 2) in last and (1, 0) in last and (2, 1) in last
+    assert (0, 2) not in {(t.seq, t.segment) for t in summary_schedule(p4, seg, True, h_blocks=2).tiles}
+
+
 @pytest.mark.parametrize("B,H,T", [(1, 4, 8192), (2, 8, 4096), (1, 16, 16384), (4, 16, 1024), (16, 64, 4096)])
 def test_plan_by_cost_is_the_cheapest_candidate(B, H, T):
     from schedulers import SegmentCost, plan_segments_by_cost, segmented_cost_us

@@ -366,6 +366,40 @@ def test_pair_state_pass_equals_one_block(kda, N, monkeypatch):
 @pytest.mark.parametrize("B,T,H,with_init,N,varlen", [(2, 1000, 3, True, 3, False), (1, 4096, 4, False, 8, False),
                                                       (1, 4096, 4, True, 32, False), (1, 1770, 2, True, 4, True),
                                                       (1, 8192, 4, False, 9, False)])
+def test_one_pass_state_pass_matches_reference(kda, B, T, H, with_init, N, varlen, monkeypatch):
+    """STATE_ONE_PASS (summaries that store o from zero and qm, the merge with the final state, the correction
+    o += qm S_0): against the float64 reference within 2x the split launches' error on the same terms; o and the
+    summaries poisoned before each call (every output is written by the summary or the correction launch), two
+    runs bitwise equal."""
+    monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
+    gen = torch.Generator().manual_seed(1700 + N + 10 * kda + 100 * varlen)
+    cu = torch.tensor([0, 300, 1000, 1770], device="cuda") if varlen else None
+    q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
+    if varlen:
+        init = (torch.randn(3, H, 128, 128, generator=gen) * 0.1).cuda()
+    init = init if with_init else None
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                                    cu_seqlens=cu)
+    prep = two_phase.chunk_prep(q, k, v, g, beta, kda=kda, cu_seqlens=cu)
+    split_o, split_s = two_phase.state_pass(prep, init, True, num_segments=N, cu_seqlens=cu)
+    monkeypatch.setattr(two_phase, "STATE_ONE_PASS", True)
+    runs = []
+    for _ in range(2):
+        o, s = torch.full_like(split_o, float("nan")), torch.full_like(split_s, float("nan"))
+        two_phase.state_pass(prep, init, True, num_segments=N, cu_seqlens=cu, out=(o, s))
+        assert not o.isnan().any() and not s.isnan().any()
+        runs.append((o, s))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), "run-to-run difference"
+    for got, split, want in ((runs[0][0], split_o, want_o), (runs[0][1], split_s, want_s)):
+        assert rel_err(got, want) <= max(2 * rel_err(split, want), 1e-4) and rel_err(got, want) <= 5e-3, (
+            rel_err(got, want), rel_err(split, want))
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("B,T,H,with_init,N,varlen", [(2, 1000, 3, True, 3, False), (1, 4096, 4, False, 8, False),
+                                                      (1, 4096, 4, True, 32, False), (1, 1770, 2, True, 4, True),
+                                                      (1, 8192, 4, False, 9, False)])
 def test_lookback_state_pass_equals_split_launches(kda, B, T, H, with_init, N, varlen, monkeypatch):
     """STATE_LOOKBACK (one launch: ticketed tiles, summary counts and end flags in global memory, the link on
     tensor cores) against the split launches (summary, tensor-core merge, segment outputs) on the same terms:
@@ -476,9 +510,9 @@ class StatePassEmulator:
     """What one launch of ChunkStatePassSm90 does, tile by tile, in float64 (the kernel's contract; `pair`: a
     tile's block b covers the 64-column blocks 2 b and 2 b + 1)."""
 
-    def __init__(self, kda, has_initial_state, store_final_state, mode, fold=False, pair=False):
+    def __init__(self, kda, has_initial_state, store_final_state, mode, fold=False, pair=False, summary_o=False):
         self.kda, self.init, self.final, self.mode, self.fold = kda, has_initial_state, store_final_state, mode, fold
-        self.pair = pair
+        self.pair, self.summary_o = pair, summary_o
 
     def fn(self, qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, grid, flags=None, chunks_per_seq=0,
            lb_m=None, lb_ws=None):
@@ -488,6 +522,7 @@ class StatePassEmulator:
             return self.lookback(qg, w, u, kg, aqk, eg, o, s0, sN, tiles, num_tiles, flags, lb_m, lb_ws)
 
         qg, w, u, kg, aqk, eg, o = (x.flatten(0, 1) for x in (qg, w, u, kg, aqk, eg, o))
+        qm = lb_m.flatten(0, 1) if self.summary_o else None   # summary_o: the M blocks' outputs
         e_k = None   # GDN_FOLD: w = k, u = v, kg = W2, aqk = A1, and R = v - diag(2^G) k S stands in for v_new
         if not self.kda and eg.dim() == 3 and self.fold:   # eg: (scale 2^G, 2^(G_L - G), 2^G_L, 2^G)
             qg, e_k, eg = qg.double() * eg[..., 0:1], eg[..., 3].double(), eg[..., 2]
@@ -514,8 +549,9 @@ class StatePassEmulator:
                 U = torch.zeros(L, 64).double() if is_m else u[c0:c1, h, cols].double()
                 kS = w[c0:c1, h].double() @ S
                 v_new = U - (kS if e_k is None else e_k[c0:c1, h, None] * kS)
-                if self.mode != "summary":
-                    o[c0:c1, h, cols] = (qg[c0:c1, h].double() @ S + aqk[c0:c1, h, :L].double() @ v_new).to(o.dtype)
+                if self.mode != "summary" or self.summary_o:
+                    dst = qm if is_m else o
+                    dst[c0:c1, h, cols] = (qg[c0:c1, h].double() @ S + aqk[c0:c1, h, :L].double() @ v_new).to(o.dtype)
                 d = eg[c1 - 1, h].double()
                 S = (d[:, None] if self.kda else d) * S + kg[c0:c1, h].double().T @ v_new
             if self.mode == "summary":
@@ -570,6 +606,20 @@ class StatePassEmulator:
             outputs.fn(qg, w, u, kg, aqk, eg, o, starts, sN, one, 1, 1)
 
 
+class CorrectionEmulator:
+    """SegmentCorrectionSm90's contract: per tile, o[tokens, head] += qm[tokens, head] S_0 (S_0 = starts[seg_slot,
+    head]), in float64, rounded to o's dtype."""
+
+    def fn(self, qm, o, starts, tiles, num_tiles):
+        from schedulers import TILE_FIELDS
+
+        col = {f: i for i, f in enumerate(TILE_FIELDS)}
+        qm, o = qm.flatten(0, 1), o.flatten(0, 1)
+        for row in tiles[:num_tiles].tolist():
+            a, b, h, slot = row[col["tok_start"]], row[col["tok_end"]], row[col["head"]], row[col["seg_slot"]]
+            o[a:b, h] = (o[a:b, h].double() + qm[a:b, h].double() @ starts[slot, h].double()).to(o.dtype)
+
+
 @pytest.fixture
 def emulated_state_pass(monkeypatch):
     import cute_kernels.ops.merge as merge_ops
@@ -581,11 +631,11 @@ def emulated_state_pass(monkeypatch):
     calls.pairs = []
 
     def fake_compile(io_dtype, kda, has_initial_state, store_final_state, mode="forward", dump_dir=None,
-                     raw_qk=False, fold=False, pair=None, **build):
+                     raw_qk=False, fold=False, pair=None, summary_o=False, **build):
         pair = two_phase.state_pair() if pair is None else pair
-        calls.append(mode)
+        calls.append(mode + ("_o" if summary_o else ""))
         calls.pairs.append(pair)
-        return StatePassEmulator(kda, has_initial_state, store_final_state, mode, fold, pair)
+        return StatePassEmulator(kda, has_initial_state, store_final_state, mode, fold, pair, summary_o)
 
     def fake_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_only=False):
         # Slots the kernel never reads (first M without an initial state, last summaries) may hold the poison.
@@ -603,12 +653,21 @@ def emulated_state_pass(monkeypatch):
     monkeypatch.setattr(two_phase, "compile_state_pass", fake_compile)
     monkeypatch.setattr(merge_ops, "affine_merge", fake_merge)
 
-    def fake_starts_plan(num_seqs, num_heads, slots, seg_offsets, has_initial_state, device, pdl=False):
+    def fake_starts_plan(num_seqs, num_heads, slots, seg_offsets, has_initial_state, device, pdl=False,
+                         final=False):
         assert len(seg_offsets) == num_seqs + 1 and seg_offsets[-1] == slots
-        return lambda M, h_ext, init: fake_merge(M, h_ext, seg_offsets, init if has_initial_state else None,
-                                                 starts_only=True)[0]
+
+        def run(M, h_ext, init, final_state=None):
+            starts, fin = fake_merge(M, h_ext, seg_offsets, init if has_initial_state else None,
+                                     starts_only=not final)
+            if final and final_state is not None:
+                final_state.copy_(fin)
+            return starts
+
+        return run
 
     monkeypatch.setattr(merge_ops, "affine_merge_starts_plan", fake_starts_plan)
+    monkeypatch.setattr(two_phase, "compile_segment_correction", lambda io, dump_dir=None: CorrectionEmulator())
     monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
     monkeypatch.setattr(two_phase, "_plans", {})   # plans hold compiled functions: none of these fakes outlives the test
     two_phase._schedules.clear()
@@ -635,10 +694,14 @@ def test_segmented_state_pass_orchestration(emulated_state_pass, kda, num_segmen
 @pytest.mark.parametrize("num_segments", [2, 3, 8])
 @pytest.mark.parametrize("with_init", [True, False])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_lookback_state_pass_orchestration(emulated_state_pass, kda, num_segments, with_init, varlen, monkeypatch):
+@pytest.mark.parametrize("switch", ["STATE_LOOKBACK", "STATE_ONE_PASS"])
+def test_lookback_and_one_pass_orchestration(emulated_state_pass, kda, num_segments, with_init, varlen, switch,
+                                             monkeypatch):
     """STATE_LOOKBACK: one launch in mode "lookback" (its table, flags and workspace as the plan builds them),
-    emulated tile by tile in ticket order, equals the reference; a single segment keeps the forward launch."""
-    monkeypatch.setattr(two_phase, "STATE_LOOKBACK", True)
+    emulated tile by tile in ticket order; STATE_ONE_PASS: the summary launch with the chains' outputs, the
+    merge with the final state, the correction launch. Both equal the reference; a single segment keeps the
+    forward launch."""
+    monkeypatch.setattr(two_phase, switch, True)
     gen = torch.Generator().manual_seed(num_segments + 2 * kda + 4 * with_init + 8 * varlen)
     cu = (0, 300, 1000, 1770) if varlen else None
     q, k, v, g, beta, init = make(1 if varlen else 2, 1770 if varlen else 1000, 2, kda, gen)
@@ -656,7 +719,7 @@ def test_lookback_state_pass_orchestration(emulated_state_pass, kda, num_segment
                                 cu_seqlens=None if cu is None else torch.tensor(cu))
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
                                                     cu_seqlens=None if cu is None else torch.tensor(cu))
-    assert emulated_state_pass == ["lookback"]
+    assert emulated_state_pass == (["lookback"] if switch == "STATE_LOOKBACK" else ["summary_o"])
     assert rel_err(o, want_o) < 1e-4 and rel_err(s, want_s) < 1e-4, (rel_err(o, want_o), rel_err(s, want_s))
     o1, _ = two_phase.state_pass(prep, init, output_final_state=True, num_segments=1,
                                  cu_seqlens=None if cu is None else torch.tensor(cu))
@@ -697,19 +760,21 @@ class PrepEmulator:
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("segments", [None, 4])
 @pytest.mark.parametrize("pair", ["0", "auto"])
-@pytest.mark.parametrize("lookback", [False, True])
-def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segments, pair, lookback):
+@pytest.mark.parametrize("state", ["split", "lookback", "one_pass"])
+def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segments, pair, state):
     """chunk_gated_delta_rule / chunk_kda with CUTE_KERNELS_TWO_PHASE on: phase 1 + the (segmented) state pass
     wired from the op, checked on the CPU with both kernels emulated (GDN: GDN_FOLD's terms). STATE_PAIR "auto"
     on a 4-SM device: the state pass's one-block tiles take more than one wave, so it runs `pair` tiles.
-    STATE_LOOKBACK: a segmented state pass is one "lookback" launch (one-block tiles), and `explain` says so."""
+    STATE_LOOKBACK: a segmented state pass is one "lookback" launch (one-block tiles), and `explain` says so;
+    STATE_ONE_PASS: the summary launch with outputs, the merge and the correction."""
     import cute_kernels.ops.linear_attention as la
     import cute_kernels.runtime.arch as arch
     from schedulers import SegmentScheduler
 
     monkeypatch.setattr(la, "TWO_PHASE", True)
     monkeypatch.setattr(two_phase, "STATE_PAIR", pair)
-    monkeypatch.setattr(two_phase, "STATE_LOOKBACK", lookback)
+    monkeypatch.setattr(two_phase, "STATE_LOOKBACK", state == "lookback")
+    monkeypatch.setattr(two_phase, "STATE_ONE_PASS", state == "one_pass")
     monkeypatch.setattr(la, "check_cuda", lambda **kw: torch.device("cpu"))
     monkeypatch.setattr(la, "_sm_count", lambda device: 4 if pair == "auto" else 132)
     monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
@@ -728,11 +793,12 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segm
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
                                                    cu_seqlens=cut)
     split = segments is not None and segments > 1
-    assert emulated_state_pass[-1] == (("lookback" if lookback else "segment_outputs") if split
-                                       else emulated_state_pass[-1])
-    assert emulated_state_pass.pairs[-1] == (pair == "auto" and not (lookback and split))
+    last = {"split": "segment_outputs", "lookback": "lookback", "one_pass": "summary_o"}[state]
+    assert emulated_state_pass[-1] == (last if split else emulated_state_pass[-1])
+    assert emulated_state_pass.pairs[-1] == (pair == "auto" and not (state != "split" and split))
     if split:
-        assert ("look-back chain" in la.last_plan()) == lookback, la.last_plan()
+        assert ("look-back chain" in la.last_plan()) == (state == "lookback"), la.last_plan()
+        assert ("one pass" in la.last_plan()) == (state == "one_pass"), la.last_plan()
     assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2, (rel_err(o, want_o), rel_err(s, want_s))
 
 

@@ -192,9 +192,11 @@ class PathChoice:
                     f"\nsegments per sequence: 1 (all {self.num_seqs} sequences)\n- path: two-phase ({pred})")
         state = "the state pass"
         if self.num_segments > 1:
-            state = ("the state pass in one launch (summaries, look-back chain, outputs; STATE_LOOKBACK)"
-                     if _two_phase_module().STATE_LOOKBACK else
-                     "the state pass (summary launch, affine merge, output launch)")
+            tp = _two_phase_module()
+            state = ("the state pass in one pass (summaries with outputs, affine merge, correction; STATE_ONE_PASS)"
+                     if tp.STATE_ONE_PASS else
+                     "the state pass in one launch (summaries, look-back chain, outputs; STATE_LOOKBACK)"
+                     if tp.STATE_LOOKBACK else "the state pass (summary launch, affine merge, output launch)")
         return (f"two-phase forward: chunk_prep over every chunk, then {state}\n"
                 f"segments per sequence: {self.num_segments} (all {self.num_seqs} sequences)\n- path: two-phase ({pred})")
 

@@ -146,21 +146,26 @@ def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_
 
 
 def affine_merge_starts_plan(num_seqs: int, num_heads: int, slots: int, seg_offsets, has_initial_state: bool,
-                             device, pdl: bool = False):
+                             device, pdl: bool = False, final: bool = False):
     """`affine_merge(..., starts_only=True)` for one fixed configuration (K = V = 128), checked and compiled once:
     the returned `run(M, h_ext, initial_state) -> start_states` launches without checking its tensors again (the
     two-phase state pass calls it once per forward with buffers it made itself). `pdl`: launched with programmatic
-    dependent launch (it waits for the previous kernel inside, see `AffineMerge`)."""
+    dependent launch (it waits for the previous kernel inside, see `AffineMerge`). `final`: the final states too
+    (every summary is applied): `run(M, h_ext, initial_state, final_state)` writes them into `final_state`
+    ([num_seqs, H, 128, 128] fp32, or None: not kept)."""
     offsets, n = offsets_tensor("seg_offsets", seg_offsets, slots, device)
     if n != num_seqs:
         raise ValueError(f"seg_offsets has {n} sequences, expected {num_seqs}")
     impl = merge_impl_for(num_seqs, num_heads, 128, 128, sm_count(device))
-    fn = compile_affine_merge(128, 128, has_initial_state, impl, starts_only=True, pdl=pdl).fn
+    fn = compile_affine_merge(128, 128, has_initial_state, impl, starts_only=not final, pdl=pdl).fn
 
-    def run(M, h_ext, initial_state):
+    def run(M, h_ext, initial_state, final_state=None):
         starts = torch.empty((slots, num_heads, 128, 128), dtype=torch.float32, device=device)
         unused = starts[:num_seqs]   # stands in for the final state (and the initial state when there is none)
-        fn(M, h_ext, offsets, initial_state if has_initial_state else unused, starts, unused)
+        if final and final_state is None:
+            final_state = torch.empty((num_seqs, num_heads, 128, 128), dtype=torch.float32, device=device)
+        fn(M, h_ext, offsets, initial_state if has_initial_state else unused, starts,
+           final_state if final else unused)
         return starts
 
     return run

@@ -544,6 +544,14 @@ PDL = os.environ.get("CUTE_KERNELS_PDL", "1") == "1"
 # in session 23 without a GPU (compiled, its protocol emulated on the CPU): off until its GPU test and timing have
 # run (tests/test_two_phase.py -k lookback, scripts/time_two_phase.py lookback). CUTE_KERNELS_STATE_LOOKBACK=1.
 STATE_LOOKBACK = os.environ.get("CUTE_KERNELS_STATE_LOOKBACK", "0") == "1"
+# The one-pass segmented state pass: the summary launch also stores each chain's outputs (`summary_o`: o from a
+# zero start, qm from the identity), the merge gives the start states, and `SegmentCorrectionSm90` adds qm S_0 in
+# parallel over the chunks -- each segment's chain runs once instead of twice. Written in session 23 without a
+# GPU (compiled; its CPU emulation and a float64 emulation of its roundings match the reference as closely as the
+# unsegmented chain: rel. err 2.42e-3 vs 2.38e-3 at T = 4096, N = 8): off until measured
+# (tests/test_two_phase.py -k one_pass, scripts/time_two_phase.py one-pass). CUTE_KERNELS_STATE_ONE_PASS=1.
+STATE_ONE_PASS = os.environ.get("CUTE_KERNELS_STATE_ONE_PASS", "0") == "1"
+CORRECTION_CHUNKS_PER_TILE = 4   # the correction launch: chunks per CTA (S_0's split is made once per tile)
 
 
 def state_pair(output_tiles: int | None = None, slots: int | None = None) -> bool:
@@ -563,7 +571,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
                        mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None,
                        profile: bool = False, ring_decay: bool | None = None, tma_o: bool | None = None,
                        u_fast: bool | None = None, pair: bool | None = None, pdl: bool | None = None,
-                       consume: bool = False, raw_qk: bool = False, fold: bool = False):
+                       consume: bool = False, raw_qk: bool = False, fold: bool = False, summary_o: bool = False):
     """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `raw_qk`: it reads q, k and
     GDN_RAW_QK's [.., 4] eg (`PrepTerms.raw`); `fold`: and v, W2, A1 (`PrepTerms.fold`); `rs` defaults to
     STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs). `profile`: the diagnostic build whose
@@ -579,6 +587,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     pdl = PDL if pdl is None else pdl
     key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
            profile, ring_decay, tma_o, u_fast, pair, pdl, consume, raw_qk, fold)
+    key = key + (("summary_o",) if summary_o else ())
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -592,7 +601,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
                                     num_stages=num_stages, profile=profile, ring_decay=ring_decay, tma_o=tma_o,
                                     u_fast=u_fast, pair=pair, pdl=pdl, consume=consume, raw_qk=raw_qk,
-                                    fold=fold)
+                                    fold=fold, summary_o=summary_o)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg
@@ -607,13 +616,39 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
             cutlass.Int32(1),
             fake_tensor(cutlass.Int32, (DYN,), align=4),   # flags (consume, lookback)
             cutlass.Int32(1),                              # chunks per sequence
-            fake_tensor(io, (DYN, DYN, 128, 128), align=16),   # lb_m (lookback)
+            fake_tensor(io, (DYN, DYN, DYN, 128), align=16),   # lb_m (lookback), qm (summary_o)
             fake_tensor(f32, (DYN,), align=16),                 # lb_ws (lookback)
             fake_stream(),
         )
         return kernel, args
 
     return compile_kernel(key, build, dump_dir=dump_dir)
+
+
+def compile_segment_correction(io_dtype: torch.dtype, dump_dir=None):
+    """Compile the one-pass forward's correction (`SegmentCorrectionSm90`: o += qm S_0 per tile) (no GPU needed)."""
+    from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
+
+    def build():
+        from schedulers.problem import NUM_TILE_FIELDS
+
+        from ..runtime.arch import import_cutlass
+
+        cutlass = import_cutlass()
+        from ..kernels.sm90.segment_correction import SegmentCorrectionSm90
+
+        io = cutlass_dtype(io_dtype)
+        args = (
+            fake_tensor(io, (DYN, DYN, DYN, 128)),                 # qm
+            fake_tensor(io, (DYN, DYN, DYN, 128)),                 # o
+            fake_tensor(cutlass.Float32, (DYN, DYN, 128, 128)),    # start states
+            fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
+            cutlass.Int32(1),
+            fake_stream(),
+        )
+        return SegmentCorrectionSm90(io), args
+
+    return compile_kernel(("segment_correction_sm90", str(io_dtype)), build, dump_dir=dump_dir)
 
 
 _schedules: dict = {}
@@ -697,10 +732,14 @@ class StatePlan:
     build), the tile tables on the device. `run` launches them (no checks: the caller has validated its tensors).
     The lookback build's flags and workspace belong to the plan: a plan must not run on two streams at once."""
 
-    def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold=False, lookback=False):
-        self.lookback = False
-        if lookback:
+    def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold=False, lookback=False,
+                 one_pass=False):
+        self.lookback = self.one_pass = False
+        if lookback or one_pass:
             schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device)
+            if summ is not None and one_pass:
+                self._init_one_pass(B, T, H, cu, kda, io, init, final, schedule.segmentation, device, raw, fold)
+                return
             if summ is not None:
                 self._init_lookback(B, T, H, cu, kda, io, init, final, schedule.segmentation, device, raw, fold)
                 return
@@ -748,7 +787,44 @@ class StatePlan:
                      torch.empty(2 * slots * H * 2 * 128 * 64, dtype=torch.float32, device=device))
         self.launch = (lb.table_on(device), lb.num_tiles, lb.grid[0], self.flags, 0) + workspace
 
+    def _init_one_pass(self, B, T, H, cu, kda, io, init, final, segmentation, device, raw, fold):
+        """The one-pass segmented state pass (STATE_ONE_PASS): a summary launch over every segment (the last ones
+        too) that also stores the chains' outputs (o from zero, qm), the merge (start states and the final
+        state), and the correction launch over every segment with a non-zero start."""
+        from schedulers import correction_schedule, summary_schedule
+
+        problem = _problem(B, T, H, cu, num_blocks=4)   # 2 h_ext blocks, 2 M blocks
+        summ = summary_schedule(problem, segmentation, init, h_blocks=2, last=True)
+        corr = correction_schedule(_problem(B, T, H, cu), segmentation, init, CORRECTION_CHUNKS_PER_TILE)
+        self.one_pass, self.init, self.device, self.split, self.pair = True, init, device, True, False
+        self.slots = segmentation.total_segments
+        self.summary_fn = compile_state_pass(io, kda, False, False, mode="summary", rs=True, num_stages=2,
+                                             ring_decay=True, tma_o=False, u_fast=False, pair=False, raw_qk=raw,
+                                             fold=fold, summary_o=True)
+        self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0]) + no_flags(device)[:2]
+        self.merge = _merge.affine_merge_starts_plan(len(segmentation.seg_offsets) - 1, H, self.slots,
+                                                     segmentation.seg_offsets, init, device, pdl=PDL, final=True)
+        self.correct_fn = compile_segment_correction(io) if corr.num_tiles else None
+        self.correct_launch = (corr.table_on(device), corr.num_tiles)
+        self.qm_shape, self.io = (B, T, H, 128), io
+        self.dummy = torch.zeros(64, dtype=torch.float32, device=device)   # lb_ws: not read in summary mode
+
+    def run_one_pass(self, prep: PrepTerms, initial_state, o, final):
+        terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
+        H = prep.kg.shape[2]
+        summary = torch.empty((2 * self.slots, H, 128, 128), dtype=torch.float32, device=self.device)
+        if _POISON_SUMMARIES:
+            summary.fill_(float("nan"))
+        qm = torch.empty(self.qm_shape, dtype=self.io, device=self.device)
+        self.summary_fn.fn(*terms, o, summary, summary, *self.summary_launch, qm, self.dummy)
+        starts = self.merge(summary[self.slots:], summary[:self.slots], initial_state, final)
+        if self.correct_fn is not None:
+            self.correct_fn.fn(qm, o, starts, *self.correct_launch)
+        return o, final
+
     def run(self, prep: PrepTerms, initial_state, o, final):
+        if self.one_pass:
+            return self.run_one_pass(prep, initial_state, o, final)
         dummy = final if final is not None else self.dummy
         terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
         if self.lookback or not self.split:   # one launch
@@ -772,7 +848,7 @@ def state_plan(B, T, H, cu, kda, io, init, final, num_segments, device, raw: boo
     raw = raw_qk_path(kda) if raw is None else raw
     fold = fold_path(kda) if fold is None else fold
     return _cached_plan(StatePlan, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold,
-                        STATE_LOOKBACK)
+                        STATE_LOOKBACK, STATE_ONE_PASS)
 
 
 class OverlapPlan:

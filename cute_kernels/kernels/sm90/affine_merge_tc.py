@@ -107,19 +107,7 @@ class AffineMergeTcSm90:
             ring.producer_acquire(state)
             stage = state.index
             # M: 128 x 128 fp32 in runs of 8 (two 16-byte loads) -> 8 hi + 8 lo bf16 (16 bytes each)
-            for i in cutlass.range_constexpr(K_DIM * K_DIM // 8 // 128):
-                f = ptid + 128 * i
-                r = f // (K_DIM // 8)
-                c8 = f % (K_DIM // 8)
-                x = cute.make_rmem_tensor((8,), Float32)
-                cute.autovec_copy(cute.local_tile(m[slot, head, r, None], (8,), (c8,)), x)
-                hi = cute.make_rmem_tensor((8,), io)
-                lo = cute.make_rmem_tensor((8,), io)
-                for e in cutlass.range_constexpr(8):
-                    hi[e] = io(x[e])
-                    lo[e] = io(x[e] - Float32(hi[e]))
-                cute.autovec_copy(hi, cute.local_tile(sMhi[r, None, stage], (8,), (c8,)))
-                cute.autovec_copy(lo, cute.local_tile(sMlo[r, None, stage], (8,), (c8,)))
+            wt.split_hi_lo(io, m[slot, head, None, None], sMhi[None, None, stage], sMlo[None, None, stage], ptid, 128)
             # h_ext[:, v0 : v0 + 64]: 128 x 64 fp32 in runs of 4
             for i in cutlass.range_constexpr(K_DIM * V_BLOCK // 4 // 128):
                 f = ptid + 128 * i

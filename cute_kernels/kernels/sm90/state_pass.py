@@ -117,6 +117,13 @@ class ChunkStatePassSm90:
     u = 0; the end block goes to summary[slot] (h_ext) or summary[slots + slot] (M), both [.., 128, 128] --
     `affine_merge`'s layout). The summary mode loads only w, kg and u (no qg, no Aqk).
 
+    `summary_o` (summary mode, rs with ring_decay, one block per tile): the summary tiles also store their chain's
+    outputs -- the one-pass segmented forward (`SegmentCorrectionSm90`). The forward is affine in a segment's
+    start state S_0: o_t = o0_t + qm_t S_0, with o0 the outputs of the chain from 0 (an h_ext block's, stored
+    into o) and qm = [qg - Aqk w] times the chain from the identity with u = 0 (an M block's own "outputs",
+    [tokens, H, 128], stored into `lb_m`'s place). A correction launch adds qm S_0 once the merge has the start
+    states: each segment's chain runs once instead of twice (summary, then outputs).
+
     `lookback` mode (rs with ring_decay, one block per tile; not pair / tma_o / u_fast / consume / profile): the
     segmented forward in one launch -- summaries, the chain of start states and the outputs. The table is a
     `schedulers.lookback_schedule` (summary tiles, block >= V / 64, then output tiles ordered by segment) and a
@@ -146,7 +153,8 @@ class ChunkStatePassSm90:
     def __init__(self, io_dtype, kda: bool, has_initial_state: bool, store_final_state: bool,
                  mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False,
                  ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False, pair: bool = False,
-                 pdl: bool = False, consume: bool = False, raw_qk: bool = False, fold: bool = False):
+                 pdl: bool = False, consume: bool = False, raw_qk: bool = False, fold: bool = False,
+                 summary_o: bool = False):
         if mode not in ("forward", "segment_outputs", "summary", "lookback"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs', 'summary' or 'lookback', got {mode!r}")
         if mode == "lookback" and (not (rs and ring_decay) or pair or tma_o or u_fast or consume or profile):
@@ -187,7 +195,11 @@ class ChunkStatePassSm90:
         self.num_consumers = 2 if pair else 1
         self.num_threads = 128 * (1 + self.num_consumers)
         self.u_cols = V_BLOCK * self.num_consumers   # u columns per ring stage (pair: both V blocks)
-        self.outputs = mode != "summary"
+        if summary_o and (mode != "summary" or not (rs and ring_decay) or pair or tma_o or u_fast or profile):
+            raise ValueError("summary_o is the summary mode's option, with rs=True and ring_decay=True, without "
+                             "pair, tma_o, u_fast and profile")
+        self.summary_o = summary_o
+        self.outputs = mode != "summary" or summary_o
         self.lookback = mode == "lookback"
         wide_tiles = 3 if self.outputs else 2   # qg, w, kg (summary: w, kg)
         narrow_tiles = 1 if self.outputs else 0   # aqk
@@ -211,7 +223,7 @@ class ChunkStatePassSm90:
         grid_x: Int32,
         flags: cute.Tensor,          # consume: int32 [(sequences x chunks per sequence) x H] (else any int32)
         chunks_per_seq: Int32,
-        lb_m: cute.Tensor,           # lookback: 16-bit [2 slots, H, 128, 128] (else any such tensor)
+        lb_m: cute.Tensor,           # lookback: 16-bit [2 slots, H, 128, 128]; summary_o: qm [B, T, H, 128]
         lb_ws: cute.Tensor,          # lookback: fp32 [2 x slots x H x V / 64 x 8192] (else any fp32 vector)
         stream,
     ):
@@ -231,6 +243,9 @@ class ChunkStatePassSm90:
             )
 
         qg, w, u, kg, aqk, eg, o = flat(qg), flat(w), flat(u), flat(kg), flat(aqk), flat(eg), flat(o)
+        lb_m_k = lb_m   # the kernel's view of lb_m: summary_o's qm is [tokens, H, 128] like o
+        if cutlass.const_expr(self.summary_o):
+            lb_m_k = flat(lb_m)
         op = cpasync.CopyBulkTensorTileG2SOp()
         wide = wt.first_stage(wt.smem_layout(C, K_DIM, io))
         narrow = wt.first_stage(wt.smem_layout(C, V_BLOCK, io))
@@ -249,7 +264,7 @@ class ChunkStatePassSm90:
         # lookback: M^T's hi / lo tiles [128 x 128] (rows (part, slot, head, k_in), columns k_out) load by TMA
         tma_m, tma_m_t = tma_u, tma_u_t
         if cutlass.const_expr(self.lookback):
-            rows = lb_m.shape[0] * lb_m.shape[1] * K_DIM
+            rows = lb_m.shape[0] * lb_m.shape[1] * lb_m.shape[2]
             m2d = cute.make_tensor(lb_m.iterator, cute.make_layout((rows, K_DIM), stride=(lb_m.stride[2], 1)))
             tma_m, tma_m_t = cpasync.make_tiled_tma_atom(op, m2d, wt.first_stage(wt.smem_layout(K_DIM, K_DIM, io)),
                                                          (K_DIM, K_DIM))
@@ -288,7 +303,7 @@ class ChunkStatePassSm90:
         assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB of an SM90 CTA"
         self.kernel(tma_qg, tma_qg_t, tma_w, tma_w_t, tma_kg, tma_kg_t, tma_u, tma_u_t, tma_a, tma_a_t,
                     tma_os, tma_os_t, tma_m, tma_m_t, eg, o, initial_state, final_state, tiles, num_tiles,
-                    flags, chunks_per_seq, lb_ws, lb_m).launch(
+                    flags, chunks_per_seq, lb_ws, lb_m_k).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.pdl,
         )
@@ -939,6 +954,11 @@ class ChunkStatePassSm90:
                         ob = o_tiles % 2
                         o_tiles = o_tiles + 1
                         self.store_o_t_tma(acc_o, cc_t, sO, ob, wtid, tma_os, mOT, head, t0, v0)
+                    else:
+                        self.store_o_t(acc_o, cc_t, mO, head, t0, v0, L)
+                elif cutlass.const_expr(self.summary_o):   # h_ext blocks: o from zero; M blocks: qm
+                    if is_m:
+                        self.store_o_t(acc_o, cc_t, mMg, head, t0, v0, L)
                     else:
                         self.store_o_t(acc_o, cc_t, mO, head, t0, v0, L)
                 else:

@@ -149,3 +149,23 @@ def gemm_rs(io_dtype, wtid, acc, rA, sB, b_mn_major: bool, accumulate: bool, n: 
     warpgroup.commit_group()
     if cutlass.const_expr(wait):
         warpgroup.wait_group(0)
+
+
+@cute.jit
+def split_hi_lo(io_dtype, src, s_hi, s_lo, tid, num_threads: int):
+    """A [128 x 128] fp32 matrix `src` (a 2-D (row, col) view in global memory) -> 16-bit `s_hi` = io(src) and
+    `s_lo` = io(src - hi) (2-D (row, col) smem views), by `num_threads` threads in runs of 8 columns (two 16-byte
+    loads, one 16-byte store into each)."""
+    for i in cutlass.range_constexpr(128 * 128 // 8 // num_threads):
+        f = tid + num_threads * i
+        r = f // (128 // 8)
+        c8 = f % (128 // 8)
+        x = cute.make_rmem_tensor((8,), Float32)
+        cute.autovec_copy(cute.local_tile(src[r, None], (8,), (c8,)), x)
+        hi = cute.make_rmem_tensor((8,), io_dtype)
+        lo = cute.make_rmem_tensor((8,), io_dtype)
+        for e in cutlass.range_constexpr(8):
+            hi[e] = io_dtype(x[e])
+            lo[e] = io_dtype(x[e] - Float32(hi[e]))
+        cute.autovec_copy(hi, cute.local_tile(s_hi[r, None], (8,), (c8,)))
+        cute.autovec_copy(lo, cute.local_tile(s_lo[r, None], (8,), (c8,)))

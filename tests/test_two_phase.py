@@ -1159,3 +1159,27 @@ def test_u_fast_offsets_match_cute_layouts(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "COORD MISMATCHES 0" in proc.stdout and "OFFSET MISMATCHES 0" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_one_pass_cost_model(monkeypatch):
+    """STATE_ONE_PASS's model (`one_pass_state_us`): the summary launch with outputs (2 + 2 tiles per segment and
+    head, the first segment's M tiles only with an initial state, each chunk at the chain's cost), a merge link
+    per segment, and the correction's bytes (qm and o read, o written) over the corrected tokens; `predicted_us`
+    uses it for split plans when the switch is on, and the planner then splits B=1 H=4 T=16384."""
+    from schedulers import Problem
+
+    p = Problem.fixed(1, 32 * 64, 4)
+    lens = [[8, 8, 8, 8]]
+    chunk_us = two_phase.STATE_RAW_CHUNK_US if two_phase.raw_qk_path(False) else two_phase.STATE_CHUNK_US[False]
+    want = (8 * chunk_us + two_phase.LAUNCH_US + 4 * (1.8 + two_phase.SEGMENT_US[False]) + two_phase.LAUNCH_US
+            + 3 * 8 * 64 * 4 * 768 / two_phase.CORRECTION_BYTES_PER_US + two_phase.LAUNCH_US)
+    assert two_phase.one_pass_state_us(p, lens, False, False, 132, 1.8) == pytest.approx(want)
+    with_init = two_phase.one_pass_state_us(p, lens, False, True, 132, 1.8)
+    assert with_init == pytest.approx(want + 8 * 64 * 4 * 768 / two_phase.CORRECTION_BYTES_PER_US)
+    big = Problem.fixed(1, 16384, 4)
+    split = two_phase.predicted_us(big, [8], False, False, 132, 1.8)
+    unsplit = two_phase.predicted_us(big, [1], False, False, 132, 1.8)
+    monkeypatch.setattr(two_phase, "STATE_ONE_PASS", True)
+    assert two_phase.predicted_us(big, [8], False, False, 132, 1.8) < split
+    assert two_phase.predicted_us(big, [1], False, False, 132, 1.8) == unsplit   # one segment: the forward launch
+    assert two_phase.plan_num_segments(big, False, False, 132, 1.8) >= 4

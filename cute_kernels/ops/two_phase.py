@@ -1160,9 +1160,32 @@ def predicted_us(problem, counts, kda: bool, init: bool, slots: int, link_us: fl
     t += makespan(outputs, slots) * chunk_us
     if all(len(ls) <= 1 for ls in lens):
         return t
+    if STATE_ONE_PASS:
+        return t - makespan(outputs, slots) * chunk_us + one_pass_state_us(problem, lens, kda, init, slots, link_us)
     summary = [n for ls in lens for s, n in enumerate(ls[:-1]) for _ in range(H * per * (2 if (s or init) else 1))]
     t += makespan(summary, slots) * chunk_us
     return t + (max(len(ls) for ls in lens) - 1) * (link_us + SEGMENT_US[kda]) + 2 * LAUNCH_US
+
+
+# STATE_ONE_PASS's correction launch: its assumed rate through memory (qm and o read, o written: 768 bytes per token
+# and head). An estimate (not measured yet): ~70% of the 4.2 TB/s copy rate.
+CORRECTION_BYTES_PER_US = 3.0e6
+
+
+def one_pass_state_us(problem, lens, kda: bool, init: bool, slots: int, link_us: float) -> float:
+    """Predicted GPU time of the one-pass segmented state pass (`lens`: each sequence's segment lengths in
+    chunks): the summary launch with outputs (2 h_ext + 2 M tiles per (segment, head), the first segment's M
+    tiles only with an initial state; each chunk at the output chain's cost), the merge (every segment is a
+    link: the final state too) and the correction (memory-bound over the corrected segments' tokens)."""
+    from schedulers.heuristics import makespan
+
+    H = problem.num_heads
+    chunk_us = STATE_RAW_CHUNK_US if raw_qk_path(kda) else STATE_CHUNK_US[kda]
+    summary = [n for ls in lens for s, n in enumerate(ls) for _ in range(H * (4 if (s or init) else 2))]
+    t = makespan(summary, slots) * chunk_us + LAUNCH_US
+    t += max(len(ls) for ls in lens) * (link_us + SEGMENT_US[kda]) + LAUNCH_US
+    corrected = sum(n for ls in lens for s, n in enumerate(ls) if s or init) * problem.chunk_size * H
+    return t + corrected * 768 / CORRECTION_BYTES_PER_US + LAUNCH_US
 
 
 def plan_num_segments(problem, kda: bool, init: bool, slots: int, link_us: float, min_chunks: int = 2) -> int:

@@ -277,9 +277,9 @@ def _variants() -> list[Variant]:
         if not kda:   # the one-pass forward's correction (op-independent: o += qm S_0)
             out.append(Variant(
                 "linear_attention", "segment_correction_sm90_bfloat16",
-                lambda d: compile_segment_correction(torch.bfloat16, dump_dir=d),
+                lambda d: compile_segment_correction(torch.bfloat16, dump_dir=d, pdl=True),
                 ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
-                               "mbarrier.try_wait", "ld.global.v4"),
+                               "mbarrier.try_wait", "ld.global.v4", "griddepcontrol.wait"),
                 archs=("sm_90a",),
             ))
         # summary_o: the one-pass segmented forward's summary launch (the chain's outputs stored too: o from 0 by

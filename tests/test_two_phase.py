@@ -667,7 +667,7 @@ def emulated_state_pass(monkeypatch):
         return run
 
     monkeypatch.setattr(merge_ops, "affine_merge_starts_plan", fake_starts_plan)
-    monkeypatch.setattr(two_phase, "compile_segment_correction", lambda io, dump_dir=None: CorrectionEmulator())
+    monkeypatch.setattr(two_phase, "compile_segment_correction", lambda io, dump_dir=None, pdl=None: CorrectionEmulator())
     monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
     monkeypatch.setattr(two_phase, "_plans", {})   # plans hold compiled functions: none of these fakes outlives the test
     two_phase._schedules.clear()

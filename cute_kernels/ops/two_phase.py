@@ -625,8 +625,9 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     return compile_kernel(key, build, dump_dir=dump_dir)
 
 
-def compile_segment_correction(io_dtype: torch.dtype, dump_dir=None):
-    """Compile the one-pass forward's correction (`SegmentCorrectionSm90`: o += qm S_0 per tile) (no GPU needed)."""
+def compile_segment_correction(io_dtype: torch.dtype, dump_dir=None, pdl: bool | None = None):
+    """Compile the one-pass forward's correction (`SegmentCorrectionSm90`: o += qm S_0 per tile) (no GPU needed);
+    `pdl` defaults to PDL."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
 
     def build():
@@ -646,9 +647,10 @@ def compile_segment_correction(io_dtype: torch.dtype, dump_dir=None):
             cutlass.Int32(1),
             fake_stream(),
         )
-        return SegmentCorrectionSm90(io), args
+        return SegmentCorrectionSm90(io, pdl), args
 
-    return compile_kernel(("segment_correction_sm90", str(io_dtype)), build, dump_dir=dump_dir)
+    pdl = PDL if pdl is None else pdl
+    return compile_kernel(("segment_correction_sm90", str(io_dtype), pdl), build, dump_dir=dump_dir)
 
 
 _schedules: dict = {}

@@ -35,10 +35,13 @@ class SegmentCorrectionSm90:
       thread has passed the barrier after the products that read it; full barriers: TMA transaction bytes).
     - Per chunk: acc = qm hi + qm lo (two 64 x 128 x 128 SS wgmma products, one wait), then rows < L of o are
       read, added in fp32 and written back in 16-bit.
+    `pdl`: launched with programmatic dependent launch right after the merge: barrier setup and the descriptor
+    prefetch run under the merge's tail; every thread waits (`griddepcontrol.wait`) before reading anything.
     """
 
-    def __init__(self, io_dtype):
+    def __init__(self, io_dtype, pdl: bool = False):
         self.io_dtype = io_dtype
+        self.pdl = pdl
         self.num_threads = 128
         self.tma_bytes = C * K_DIM * io_dtype.width // 8
 
@@ -61,6 +64,7 @@ class SegmentCorrectionSm90:
         self.kernel(tma_qm, tma_qm_t, o, starts, tiles, num_tiles).launch(
             grid=[num_tiles, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=2,
             preferred_smem_carveout=100,   # fixed (all of the SM for shared memory): no device query when compiling
+            use_pdl=self.pdl,
         )
 
     @cute.kernel
@@ -82,6 +86,9 @@ class SegmentCorrectionSm90:
                 cute.arch.mbarrier_init(st.full.data_ptr() + s, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()   # the merge (and before it the summary launch) complete and visible
+            cute.arch.griddepcontrol_launch_dependents()
 
         work = TileScheduler.create(mTiles, num_tiles, False).initial_work()
         head = work.head

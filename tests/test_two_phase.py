@@ -361,26 +361,35 @@ def test_pair_state_pass_equals_one_block(kda, N, monkeypatch):
     assert max(rel_err(outs[1][0], want_o), rel_err(outs[1][1], want_s)) < 1e-2
 
 
+# Segmented GPU cases: (B, T, H, initial state, segments, packed sequences [0, 300, 1000, 1770])
+SEGMENTED_CASES = [(2, 1000, 3, True, 3, False), (1, 4096, 4, False, 8, False), (1, 4096, 4, True, 32, False),
+                   (1, 1770, 2, True, 4, True), (1, 8192, 4, False, 9, False)]
+
+
+def segmented_case(kda, B, T, H, with_init, varlen, seed):
+    """A segmented GPU case's inputs ((q, k, v, g, beta) bf16 on the GPU), initial state (or None), cu_seqlens
+    (or None) and phase 1's terms with the default switches."""
+    gen = torch.Generator().manual_seed(seed + 10 * kda + 100 * varlen)
+    cu = torch.tensor([0, 300, 1000, 1770], device="cuda") if varlen else None
+    q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
+    if varlen:
+        init = (torch.randn(3, H, 128, 128, generator=gen) * 0.1).cuda()
+    init = init if with_init else None
+    return (q, k, v, g, beta), init, cu, two_phase.chunk_prep(q, k, v, g, beta, kda=kda, cu_seqlens=cu)
+
+
 @requires_sm90
 @pytest.mark.parametrize("kda", [False, True])
-@pytest.mark.parametrize("B,T,H,with_init,N,varlen", [(2, 1000, 3, True, 3, False), (1, 4096, 4, False, 8, False),
-                                                      (1, 4096, 4, True, 32, False), (1, 1770, 2, True, 4, True),
-                                                      (1, 8192, 4, False, 9, False)])
+@pytest.mark.parametrize("B,T,H,with_init,N,varlen", SEGMENTED_CASES)
 def test_one_pass_state_pass_matches_reference(kda, B, T, H, with_init, N, varlen, monkeypatch):
     """STATE_ONE_PASS (summaries that store o from zero and qm, the merge with the final state, the correction
     o += qm S_0): against the float64 reference within 2x the split launches' error on the same terms; o and the
     summaries poisoned before each call (every output is written by the summary or the correction launch), two
     runs bitwise equal."""
     monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
-    gen = torch.Generator().manual_seed(1700 + N + 10 * kda + 100 * varlen)
-    cu = torch.tensor([0, 300, 1000, 1770], device="cuda") if varlen else None
-    q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
-    if varlen:
-        init = (torch.randn(3, H, 128, 128, generator=gen) * 0.1).cuda()
-    init = init if with_init else None
+    (q, k, v, g, beta), init, cu, prep = segmented_case(kda, B, T, H, with_init, varlen, 1700 + N)
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
                                                     cu_seqlens=cu)
-    prep = two_phase.chunk_prep(q, k, v, g, beta, kda=kda, cu_seqlens=cu)
     split_o, split_s = two_phase.state_pass(prep, init, True, num_segments=N, cu_seqlens=cu)
     monkeypatch.setattr(two_phase, "STATE_ONE_PASS", True)
     runs = []
@@ -397,22 +406,18 @@ def test_one_pass_state_pass_matches_reference(kda, B, T, H, with_init, N, varle
 
 @requires_sm90
 @pytest.mark.parametrize("kda", [False, True])
-@pytest.mark.parametrize("B,T,H,with_init,N,varlen", [(2, 1000, 3, True, 3, False), (1, 4096, 4, False, 8, False),
-                                                      (1, 4096, 4, True, 32, False), (1, 1770, 2, True, 4, True),
-                                                      (1, 8192, 4, False, 9, False)])
+@pytest.mark.parametrize("B,T,H,with_init,N,varlen", SEGMENTED_CASES)
 def test_lookback_state_pass_equals_split_launches(kda, B, T, H, with_init, N, varlen, monkeypatch):
     """STATE_LOOKBACK (one launch: ticketed tiles, summary counts and end flags in global memory, the link on
     tensor cores) against the split launches (summary, tensor-core merge, segment outputs) on the same terms:
     the link is the merge's arithmetic, so o and the final state must be bitwise equal; poisoned workspace and
-    summaries, run twice (a race would move bits), the flags back at 0 after each launch."""
+    summaries, run twice (a race would move bits), the flags back at 0 after each launch. The split launches run
+    the tc merge (`auto` picks the fp32 `regs` merge for few heads, whose links round differently)."""
+    import cute_kernels.ops.merge as merge_ops
+
     monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
-    gen = torch.Generator().manual_seed(1300 + N + 10 * kda + 100 * varlen)
-    cu = torch.tensor([0, 300, 1000, 1770], device="cuda") if varlen else None
-    q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
-    if varlen:
-        init = (torch.randn(3, H, 128, 128, generator=gen) * 0.1).cuda()
-    init = init if with_init else None
-    prep = two_phase.chunk_prep(q, k, v, g, beta, kda=kda, cu_seqlens=cu)
+    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "tc")   # (part of the plans' cache key)
+    (q, k, v, g, beta), init, cu, prep = segmented_case(kda, B, T, H, with_init, varlen, 1300 + N)
     split = two_phase.state_pass(prep, init, True, num_segments=N, cu_seqlens=cu)
     monkeypatch.setattr(two_phase, "STATE_LOOKBACK", True)
     plan = two_phase.state_plan(B, T, H, two_phase._cu_tuple(cu, B, T), prep.kda, prep.u.dtype, with_init, True, N,

@@ -803,13 +803,14 @@ class StatePlan:
         self.summary_fn = compile_state_pass(io, kda, False, False, mode="summary", rs=True, num_stages=2,
                                              ring_decay=True, tma_o=False, u_fast=False, pair=False, raw_qk=raw,
                                              fold=fold, summary_o=True)
-        self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0]) + no_flags(device)[:2]
+        tail = state_pass_tail(device, io)   # (flags, chunks per sequence, lb_m, lb_ws): stand-ins but lb_m
+        self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0]) + tail[:2]
+        self.unused_ws = tail[3]            # lb_ws: not read in summary mode
         self.merge = _merge.affine_merge_starts_plan(len(segmentation.seg_offsets) - 1, H, self.slots,
                                                      segmentation.seg_offsets, init, device, pdl=PDL, final=True)
         self.correct_fn = compile_segment_correction(io) if corr.num_tiles else None
         self.correct_launch = (corr.table_on(device), corr.num_tiles)
         self.qm_shape, self.io = (B, T, H, 128), io
-        self.dummy = torch.zeros(64, dtype=torch.float32, device=device)   # lb_ws: not read in summary mode
 
     def run_one_pass(self, prep: PrepTerms, initial_state, o, final):
         terms = (prep.qg, prep.w, prep.u, prep.kg, prep.aqk, prep.eg)
@@ -818,7 +819,7 @@ class StatePlan:
         if _POISON_SUMMARIES:
             summary.fill_(float("nan"))
         qm = torch.empty(self.qm_shape, dtype=self.io, device=self.device)
-        self.summary_fn.fn(*terms, o, summary, summary, *self.summary_launch, qm, self.dummy)
+        self.summary_fn.fn(*terms, o, summary, summary, *self.summary_launch, qm, self.unused_ws)
         starts = self.merge(summary[self.slots:], summary[:self.slots], initial_state, final)
         if self.correct_fn is not None:
             self.correct_fn.fn(qm, o, starts, *self.correct_launch)

@@ -64,6 +64,18 @@ def _variants() -> list[Variant]:
             lambda d, impl=impl: compile_affine_merge(128, 128, False, impl, dump_dir=d, starts_only=True, pdl=True),
             ptx_must_have=("griddepcontrol.wait", "griddepcontrol.launch_dependents", "fma.rn.f32"),
         ))
+    out.append(Variant(   # STATE_EARLY_CORRECTION's merge: every start state published (release add) as stored
+        "affine_merge", "affine_merge_k128_v128_regs_publish_pdl",
+        lambda d: compile_affine_merge(128, 128, False, "regs", dump_dir=d, pdl=True, publish=True),
+        ptx_must_have=("griddepcontrol.wait", "fence.acq_rel.gpu", "atom.global.release.add", "shfl.sync.bfly"),
+    ))
+    out.append(Variant(
+        "affine_merge", "affine_merge_k128_v128_init_tc_publish_pdl",
+        lambda d: compile_affine_merge(128, 128, True, "tc", dump_dir=d, pdl=True, publish=True),
+        ptx_must_have=("griddepcontrol.wait", "fence.acq_rel.gpu", "atom.global.release.add",
+                       "wgmma.mma_async.sync.aligned.m64n128k16"),
+        archs=("sm_90a",),
+    ))
     out.append(Variant(   # diagnostics: the regs merge's cycles per phase (scripts/time_merges.py profile)
         "affine_merge", "affine_merge_k128_v128_regs_profile",
         lambda d: compile_affine_merge(128, 128, False, "regs", dump_dir=d, profile=True),
@@ -280,6 +292,13 @@ def _variants() -> list[Variant]:
                 lambda d: compile_segment_correction(torch.bfloat16, dump_dir=d, pdl=True),
                 ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
                                "mbarrier.try_wait", "ld.global.v4", "griddepcontrol.wait"),
+                archs=("sm_90a",),
+            ))
+            out.append(Variant(   # STATE_EARLY_CORRECTION: spins on the merge's published counts
+                "linear_attention", "segment_correction_sm90_bfloat16_early",
+                lambda d: compile_segment_correction(torch.bfloat16, dump_dir=d, pdl=True, early=True),
+                ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
+                               "ld.acquire.gpu", "atom.global.add", "griddepcontrol.launch_dependents"),
                 archs=("sm_90a",),
             ))
         # summary_o: the one-pass segmented forward's summary launch (the chain's outputs stored too: o from 0 by

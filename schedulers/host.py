@@ -193,7 +193,9 @@ def correction_schedule(problem: Problem, segmentation: Segmentation, first_too:
     """The one-pass forward's correction launch: o += qm S_0 over every segment whose start state S_0 is not
     zero -- all but each sequence's first, which joins only with an initial state (`first_too`). One tile per
     (sequence, segment, head, run of up to `chunks_per_tile` chunks), each keeping its segment's `seg_slot`
-    (where the merge leaves S_0); `block` 0 (a tile covers all V columns)."""
+    (where the merge leaves S_0); `block` 0 (a tile covers all V columns). Ordered by segment index first (then
+    sequence, head, chunk): the merge publishes start states in that order, and an early correction's CTAs
+    (`SegmentCorrectionSm90(early)`) start roughly in block order, so the first to start are the first served."""
     if chunks_per_tile < 1:
         raise ValueError(f"chunks_per_tile must be >= 1, got {chunks_per_tile}")
     C = problem.chunk_size
@@ -207,6 +209,7 @@ def correction_schedule(problem: Problem, segmentation: Segmentation, first_too:
             c1 = min(c0 + chunks_per_tile, t.chunk_end)
             tiles.append(replace(t, chunk_start=c0, chunk_end=c1, tok_start=min(start + c0 * C, end),
                                  tok_end=min(start + c1 * C, end)))
+    tiles.sort(key=lambda t: t.segment)   # stable: (sequence, head, chunk) order within a segment index
     return Schedule(tiles, (max(1, len(tiles)), 1, 1), False, segmentation, name)
 
 

@@ -35,7 +35,7 @@ def profile_regs():
         offs = torch.arange(0, N * S + 1, S, device=dev, dtype=torch.int32)
         starts = torch.empty_like(h)
         final = torch.zeros(N, H, 128, 128, device=dev)
-        fn(M, h, offs, final, starts, final)
+        fn(M, h, offs, final, starts, final, offs)
         torch.cuda.synchronize()
         stamps = final[:, :, :6, ::8].double()          # [N, H, 6, V / 8]
         links = stamps[:, :, 5].mean().item()

@@ -334,26 +334,30 @@ def time_lookback():
 
 def time_one_pass():
     """STATE_ONE_PASS: the one-pass segmented state pass (summaries with the chains' outputs, merge, correction)
-    against the split launches and the look-back launch, the state pass alone at several segment counts (graph
-    replay; one-pass is not bitwise the split path's -- its outputs are o0 + qm S_0 --, so the relative
-    difference is printed), then the op under each beside FLA. ONE_PASS_CELLS / ONE_PASS_SEGMENTS / ONE_PASS_OPS
-    as LOOKBACK_*."""
+    against the split launches and the look-back launch, and with STATE_EARLY_CORRECTION (the correction spinning
+    on the merge's published start states), the state pass alone at several segment counts (graph replay;
+    one-pass is not bitwise the split path's -- its outputs are o0 + qm S_0 --, so the relative difference is
+    printed), then the op under each beside FLA. ONE_PASS_CELLS / ONE_PASS_SEGMENTS / ONE_PASS_OPS as LOOKBACK_*;
+    ONE_PASS_MODES=split,lookback,one-pass,early picks the builds."""
     cells = env_cells("ONE_PASS_CELLS", "1,4,16384;1,16,4096;2,16,2048")
     counts = [int(n) for n in os.environ.get("ONE_PASS_SEGMENTS", "4,8,16").split(",")]
     ops_ = os.environ.get("ONE_PASS_OPS", "gdn,kda").split(",")
-    modes = (("split", False, False), ("lookback", True, False), ("one-pass", False, True))
+    picked = os.environ.get("ONE_PASS_MODES", "split,lookback,one-pass,early").split(",")
+    modes = [m for m in (("split", False, False, False), ("lookback", True, False, False),
+                         ("one-pass", False, True, False), ("early", False, True, True)) if m[0] in picked]
 
-    def setting(lookback, one_pass):
+    def setting(lookback, one_pass, early):
         two_phase.STATE_LOOKBACK, two_phase.STATE_ONE_PASS = lookback, one_pass
+        two_phase.STATE_EARLY_CORRECTION = early
 
-    default = (two_phase.STATE_LOOKBACK, two_phase.STATE_ONE_PASS)
+    default = (two_phase.STATE_LOOKBACK, two_phase.STATE_ONE_PASS, two_phase.STATE_EARLY_CORRECTION)
     for op, (B, H, T), prep in cell_preps(ops_, cells):
         for n in counts:
-            line = compare_state_builds(prep, None, [(name, (lb, op1)) for name, lb, op1 in modes],
-                                        num_segments=n, set_fn=lambda v: setting(*v))
+            line = compare_state_builds(prep, None, [(m[0], m[1:]) for m in modes], num_segments=n,
+                                        set_fn=lambda v: setting(*v))
             setting(*default)
             print(f"{op} state pass B={B} H={H} T={T} N={n}: {line}", flush=True)
-    settings = [(name, lambda lb=lb, op1=op1: setting(lb, op1)) for name, lb, op1 in modes]
+    settings = [(m[0], lambda v=m[1:]: setting(*v)) for m in modes]
     time_op_settings(ops_, cells, settings, lambda: setting(*default))
 
 

@@ -117,6 +117,37 @@ def test_affine_merge_starts_only_never_reads_unneeded_summaries(with_init, impl
 
 
 @requires_gpu
+@pytest.mark.parametrize("with_init", [True, False])
+@pytest.mark.parametrize("impl", ["regs", "tc"])
+def test_publishing_merge_counts_every_start_with_readers(with_init, impl, monkeypatch):
+    """`affine_merge_starts_plan(final=True, flags=...)` (STATE_EARLY_CORRECTION's merge): start and final states
+    bitwise those of the plain plan, and after the launch every slot with readers holds `writers` (every CTA of
+    each head published once), every slot without readers 0, the readers untouched."""
+    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", impl)
+    gen = torch.Generator().manual_seed(41 + with_init)
+    dev = torch.device("cuda")
+    problem = Problem.varlen([0, 64, 64 + 4096, 64 + 4096 + 700, 64 + 4096 + 700], num_heads=3)
+    sched = SegmentScheduler(num_segments=5, min_chunks=1).schedule(problem)
+    offs = sched.seg_offsets
+    slots, N, H = sched.segmentation.total_segments, problem.num_seqs, 3
+    M, h = summaries(slots, H, 128, 128, dev, gen)
+    init = torch.randn(N, H, 128, 128, generator=gen).to(dev) if with_init else None
+    readers = torch.randint(0, 3, (slots,), generator=gen, dtype=torch.int32)
+    flags = torch.cat([readers, torch.zeros(slots * H, dtype=torch.int32)]).to(dev)
+    plain = merge_ops.affine_merge_starts_plan(N, H, slots, offs, with_init, dev, final=True)
+    publishing = merge_ops.affine_merge_starts_plan(N, H, slots, offs, with_init, dev, final=True, flags=flags)
+    assert publishing.writers == 128 // (8 if impl == "regs" else 64)
+    want_final, final = (torch.full((N, H, 128, 128), float("nan"), device=dev) for _ in range(2))
+    want = plain(M, h, init, want_final)
+    starts = publishing(M, h, init, final)
+    torch.cuda.synchronize()
+    assert torch.equal(starts, want) and torch.equal(final, want_final) and not final.isnan().any()
+    counts = flags[slots:].view(slots, H).cpu()
+    expect = torch.where(readers > 0, publishing.writers, 0).to(torch.int32)[:, None].expand(slots, H)
+    assert torch.equal(counts, expect) and torch.equal(flags[:slots].cpu(), readers)
+
+
+@requires_gpu
 @pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring", "regs", "tc"])
 def test_affine_merge_long_chain(impl, monkeypatch):
     import cute_kernels.ops.merge as merge_ops

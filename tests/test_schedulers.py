@@ -241,8 +241,8 @@ def test_lookback_schedule_puts_every_wait_before_its_waiter(first_m):
 def test_correction_schedule_covers_every_corrected_token_once(first_too):
     """The one-pass forward's correction launch: every token of every segment with a non-zero start (all but
     the first, which joins with an initial state), per head, exactly once, in runs of at most `chunks_per_tile`
-    chunks inside one segment, each tile carrying its segment's slot; and `summary_schedule(last=True)` keeps
-    the last segments' summary tiles."""
+    chunks inside one segment, each tile carrying its segment's slot, ordered segment-major (the order the merge
+    publishes start states in); and `summary_schedule(last=True)` keeps the last segments' summary tiles."""
     from schedulers import correction_schedule, summary_schedule
 
     p = Problem.varlen([0, 6 * 64, 6 * 64 + 100, 6 * 64 + 100 + 9 * 64 + 5], 2)
@@ -262,6 +262,8 @@ def test_correction_schedule_covers_every_corrected_token_once(first_too):
         assert 1 <= t.chunk_end - t.chunk_start <= 2 and t.block == 0
         assert seg.bounds[t.seq][t.segment] <= t.chunk_start and t.chunk_end <= seg.bounds[t.seq][t.segment + 1]
         assert t.seg_slot == seg.seg_offsets[t.seq] + t.segment
+    order = [(t.segment, t.seq, t.head, t.chunk_start) for t in sched.tiles]   # segment-major (early correction)
+    assert order == sorted(order)
     with pytest.raises(ValueError, match="chunks_per_tile"):
         correction_schedule(p, seg, first_too, chunks_per_tile=0)
     p4 = Problem.varlen(list(p.seq_starts) + [p.seq_starts[-1] + p.seq_lens[-1]], 2, num_blocks=4)

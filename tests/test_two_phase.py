@@ -407,6 +407,37 @@ def test_one_pass_state_pass_matches_reference(kda, B, T, H, with_init, N, varle
 @requires_sm90
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("B,T,H,with_init,N,varlen", SEGMENTED_CASES)
+@pytest.mark.parametrize("merge", ["regs", "tc"])
+def test_early_correction_equals_one_pass(kda, B, T, H, with_init, N, varlen, merge, monkeypatch):
+    """STATE_EARLY_CORRECTION (the merge publishes each start state, the correction tiles spin on it) against the
+    one-pass launches that wait for the whole merge: the same arithmetic in another order, so o and the final
+    state must be bitwise equal, over ten runs (a tile that read a start state before it was complete would
+    move bits); the counts back at 0 after every launch, the readers untouched. Both publishing merges."""
+    import cute_kernels.ops.merge as merge_ops
+
+    monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
+    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", merge)   # (part of the plans' cache key)
+    monkeypatch.setattr(two_phase, "STATE_ONE_PASS", True)
+    (q, k, v, g, beta), init, cu, prep = segmented_case(kda, B, T, H, with_init, varlen, 2100 + N)
+    want = [x.clone() for x in two_phase.state_pass(prep, init, True, num_segments=N, cu_seqlens=cu)]
+    monkeypatch.setattr(two_phase, "STATE_EARLY_CORRECTION", True)
+    plan = two_phase.state_plan(B, T, H, two_phase._cu_tuple(cu, B, T), prep.kda, prep.u.dtype, with_init, True, N,
+                                prep.u.device, prep.raw, prep.fold)   # the plan state_pass takes (same key)
+    assert plan.one_pass and plan.early
+    slots = plan.slots
+    readers = plan.flags[:slots].clone()
+    for _ in range(10):
+        o, s = two_phase.state_pass(prep, init, True, num_segments=N, cu_seqlens=cu)
+        torch.cuda.synchronize()
+        assert int(plan.flags[slots:].abs().sum()) == 0, "counts not back at 0"
+        assert torch.equal(plan.flags[:slots], readers)
+        assert torch.equal(o, want[0]) and torch.equal(s, want[1]), (
+            (o.float() - want[0].float()).abs().max(), (s - want[1]).abs().max())
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("B,T,H,with_init,N,varlen", SEGMENTED_CASES)
 def test_lookback_state_pass_equals_split_launches(kda, B, T, H, with_init, N, varlen, monkeypatch):
     """STATE_LOOKBACK (one launch: ticketed tiles, summary counts and end flags in global memory, the link on
     tensor cores) against the split launches (summary, tensor-core merge, segment outputs) on the same terms:
@@ -613,16 +644,30 @@ class StatePassEmulator:
 
 class CorrectionEmulator:
     """SegmentCorrectionSm90's contract: per tile, o[tokens, head] += qm[tokens, head] S_0 (S_0 = starts[seg_slot,
-    head]), in float64, rounded to o's dtype."""
+    head]), in float64, rounded to o's dtype. `early`: the tile's count (flags[slots + slot * H + head]) must have
+    reached `writers` before it reads S_0; then it takes one count back, and the slot's last reader (flags[slot] of
+    them) puts it back to 0 -- as the kernel's thread 0 does."""
 
-    def fn(self, qm, o, starts, tiles, num_tiles):
+    def __init__(self, early=False):
+        self.early = early
+
+    def fn(self, qm, o, starts, tiles, num_tiles, flags, writers):
         from schedulers import TILE_FIELDS
 
         col = {f: i for i, f in enumerate(TILE_FIELDS)}
         qm, o = qm.flatten(0, 1), o.flatten(0, 1)
+        slots, H = starts.shape[:2]
         for row in tiles[:num_tiles].tolist():
             a, b, h, slot = row[col["tok_start"]], row[col["tok_end"]], row[col["head"]], row[col["seg_slot"]]
+            if self.early:
+                count = slots + slot * H + h
+                assert flags[count] >= writers, f"slot {slot} head {h}: S_0 read before the merge published it"
             o[a:b, h] = (o[a:b, h].double() + qm[a:b, h].double() @ starts[slot, h].double()).to(o.dtype)
+            if self.early:
+                old = int(flags[count])
+                flags[count] += 1
+                if old == writers + int(flags[slot]) - 1:
+                    flags[count] = 0
 
 
 @pytest.fixture
@@ -659,20 +704,27 @@ def emulated_state_pass(monkeypatch):
     monkeypatch.setattr(merge_ops, "affine_merge", fake_merge)
 
     def fake_starts_plan(num_seqs, num_heads, slots, seg_offsets, has_initial_state, device, pdl=False,
-                         final=False):
+                         final=False, flags=None):
         assert len(seg_offsets) == num_seqs + 1 and seg_offsets[-1] == slots
+        assert flags is None or (final and flags.shape == (slots * (1 + num_heads),))
 
         def run(M, h_ext, init, final_state=None):
             starts, fin = fake_merge(M, h_ext, seg_offsets, init if has_initial_state else None,
                                      starts_only=not final)
             if final and final_state is not None:
                 final_state.copy_(fin)
+            if flags is not None:   # publish: each of the `writers` CTAs of a head adds 1 where the slot has readers
+                for slot in range(slots):
+                    if flags[slot] > 0:
+                        flags[slots + slot * num_heads:slots + (slot + 1) * num_heads] += run.writers
             return starts
 
+        run.writers = None if flags is None else 16   # the regs merge's V / 8 CTAs per head
         return run
 
     monkeypatch.setattr(merge_ops, "affine_merge_starts_plan", fake_starts_plan)
-    monkeypatch.setattr(two_phase, "compile_segment_correction", lambda io, dump_dir=None, pdl=None: CorrectionEmulator())
+    monkeypatch.setattr(two_phase, "compile_segment_correction",
+                        lambda io, dump_dir=None, pdl=None, early=False: CorrectionEmulator(early))
     monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
     monkeypatch.setattr(two_phase, "_plans", {})   # plans hold compiled functions: none of these fakes outlives the test
     two_phase._schedules.clear()
@@ -699,14 +751,18 @@ def test_segmented_state_pass_orchestration(emulated_state_pass, kda, num_segmen
 @pytest.mark.parametrize("num_segments", [2, 3, 8])
 @pytest.mark.parametrize("with_init", [True, False])
 @pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("switch", ["STATE_LOOKBACK", "STATE_ONE_PASS"])
+@pytest.mark.parametrize("switch", ["STATE_LOOKBACK", "STATE_ONE_PASS", "STATE_EARLY_CORRECTION"])
 def test_lookback_and_one_pass_orchestration(emulated_state_pass, kda, num_segments, with_init, varlen, switch,
                                              monkeypatch):
     """STATE_LOOKBACK: one launch in mode "lookback" (its table, flags and workspace as the plan builds them),
     emulated tile by tile in ticket order; STATE_ONE_PASS: the summary launch with the chains' outputs, the
-    merge with the final state, the correction launch. Both equal the reference; a single segment keeps the
-    forward launch."""
+    merge with the final state, the correction launch; with STATE_EARLY_CORRECTION the merge publishes start
+    states and each correction tile checks its count before reading S_0 and takes one back (the plan's readers
+    per slot must bring every count back to 0, twice in a row). All equal the reference; a single segment keeps
+    the forward launch."""
     monkeypatch.setattr(two_phase, switch, True)
+    if switch == "STATE_EARLY_CORRECTION":
+        monkeypatch.setattr(two_phase, "STATE_ONE_PASS", True)
     gen = torch.Generator().manual_seed(num_segments + 2 * kda + 4 * with_init + 8 * varlen)
     cu = (0, 300, 1000, 1770) if varlen else None
     q, k, v, g, beta, init = make(1 if varlen else 2, 1770 if varlen else 1000, 2, kda, gen)
@@ -726,6 +782,15 @@ def test_lookback_and_one_pass_orchestration(emulated_state_pass, kda, num_segme
                                                     cu_seqlens=None if cu is None else torch.tensor(cu))
     assert emulated_state_pass == (["lookback"] if switch == "STATE_LOOKBACK" else ["summary_o"])
     assert rel_err(o, want_o) < 1e-4 and rel_err(s, want_s) < 1e-4, (rel_err(o, want_o), rel_err(s, want_s))
+    if switch == "STATE_EARLY_CORRECTION":
+        plan = next(p for p in two_phase._plans.values() if getattr(p, "one_pass", False))
+        assert plan.early and plan.flags is not None
+        slots = plan.slots
+        assert int(plan.flags[:slots].sum()) * 2 == plan.correct_launch[1]   # readers per slot of head 0, 2 heads
+        assert not plan.flags[slots:].any()
+        o2, _ = two_phase.state_pass(prep, init, output_final_state=True, num_segments=num_segments,
+                                     cu_seqlens=None if cu is None else torch.tensor(cu))
+        assert torch.equal(o2, o) and not plan.flags[slots:].any()
     o1, _ = two_phase.state_pass(prep, init, output_final_state=True, num_segments=1,
                                  cu_seqlens=None if cu is None else torch.tensor(cu))
     assert emulated_state_pass[-1] == "forward"
@@ -765,7 +830,7 @@ class PrepEmulator:
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("segments", [None, 4])
 @pytest.mark.parametrize("pair", ["0", "auto"])
-@pytest.mark.parametrize("state", ["split", "lookback", "one_pass"])
+@pytest.mark.parametrize("state", ["split", "lookback", "one_pass", "one_pass_early"])
 def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segments, pair, state):
     """chunk_gated_delta_rule / chunk_kda with CUTE_KERNELS_TWO_PHASE on: phase 1 + the (segmented) state pass
     wired from the op, checked on the CPU with both kernels emulated (GDN: GDN_FOLD's terms). STATE_PAIR "auto"
@@ -779,7 +844,8 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segm
     monkeypatch.setattr(la, "TWO_PHASE", True)
     monkeypatch.setattr(two_phase, "STATE_PAIR", pair)
     monkeypatch.setattr(two_phase, "STATE_LOOKBACK", state == "lookback")
-    monkeypatch.setattr(two_phase, "STATE_ONE_PASS", state == "one_pass")
+    monkeypatch.setattr(two_phase, "STATE_ONE_PASS", state.startswith("one_pass"))
+    monkeypatch.setattr(two_phase, "STATE_EARLY_CORRECTION", state == "one_pass_early")
     monkeypatch.setattr(la, "check_cuda", lambda **kw: torch.device("cpu"))
     monkeypatch.setattr(la, "_sm_count", lambda device: 4 if pair == "auto" else 132)
     monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
@@ -798,12 +864,14 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segm
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
                                                    cu_seqlens=cut)
     split = segments is not None and segments > 1
-    last = {"split": "segment_outputs", "lookback": "lookback", "one_pass": "summary_o"}[state]
+    last = {"split": "segment_outputs", "lookback": "lookback", "one_pass": "summary_o",
+            "one_pass_early": "summary_o"}[state]
     assert emulated_state_pass[-1] == (last if split else emulated_state_pass[-1])
     assert emulated_state_pass.pairs[-1] == (pair == "auto" and not (state != "split" and split))
     if split:
         assert ("look-back chain" in la.last_plan()) == (state == "lookback"), la.last_plan()
-        assert ("one pass" in la.last_plan()) == (state == "one_pass"), la.last_plan()
+        assert ("one pass" in la.last_plan()) == state.startswith("one_pass"), la.last_plan()
+        assert ("early correction" in la.last_plan()) == (state == "one_pass_early"), la.last_plan()
     assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2, (rel_err(o, want_o), rel_err(s, want_s))
 
 
@@ -1188,6 +1256,17 @@ def test_one_pass_cost_model(monkeypatch):
     assert two_phase.predicted_us(big, [8], False, False, 132, 1.8) < split
     assert two_phase.predicted_us(big, [1], False, False, 132, 1.8) == unsplit   # one segment: the forward launch
     assert two_phase.plan_num_segments(big, False, False, 132, 1.8) >= 4
+    # STATE_EARLY_CORRECTION: the correction under the merge chain -- here the chain (4 links) then the last
+    # segment's share outlasts one link then all of it, and a launch less
+    monkeypatch.setattr(two_phase, "STATE_EARLY_CORRECTION", True)
+    link, per_chunk = 1.8 + two_phase.SEGMENT_US[False], 64 * 4 * 768 / two_phase.CORRECTION_BYTES_PER_US
+    early = (8 * chunk_us + two_phase.LAUNCH_US + max(4 * link + 8 * per_chunk, link + 3 * 8 * per_chunk)
+             + two_phase.LAUNCH_US)
+    assert two_phase.one_pass_state_us(p, lens, False, False, 132, 1.8) == pytest.approx(early) and early < want
+    monkeypatch.setattr(two_phase, "STATE_EARLY_CORRECTION", False)
+    late = two_phase.predicted_us(big, [8], False, False, 132, 1.8)
+    monkeypatch.setattr(two_phase, "STATE_EARLY_CORRECTION", True)
+    assert two_phase.predicted_us(big, [8], False, False, 132, 1.8) < late
 
 
 def test_one_pass_roundings_keep_the_unsegmented_error():

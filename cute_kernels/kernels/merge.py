@@ -15,7 +15,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from .merge_config import AFFINE_MERGE_CONFIG, affine_merge_fits
 
@@ -63,15 +63,24 @@ class AffineMerge:
     writes them and the link count to final_state[seq, head, 0..5, 8 vt] (final_state then holds nothing else).
     `pdl` (any impl): launched with programmatic dependent launch after the summary launch; `pdl_start` waits for it
     before the first read.
+    `publish` (regs, not `starts_only`): each start state is published as soon as it is stored, for the one-pass
+    forward's early correction (`SegmentCorrectionSm90(early=True)`), through `flags` (int32): flags[slot] is how
+    many correction tiles read slot's start (its readers; 0: not published), flags[slots + slot * H + head] the
+    count. At the end of the link that stores start[slot] (after its CTA barrier) thread 0 fences at gpu scope and
+    adds 1 (release) to the count, so the count reaches `affine_merge_writers` (V / 8) once every CTA of the
+    (sequence, head) has stored its columns; the readers put it back to 0. Other builds ignore `flags`.
     """
 
     def __init__(self, k_dim: int, v_dim: int, has_initial_state: bool, impl: str = "simt", starts_only: bool = False,
-                 pdl: bool = False, profile: bool = False):
+                 pdl: bool = False, profile: bool = False, publish: bool = False):
         if impl not in AFFINE_MERGE_CONFIG:
             raise ValueError(f"AffineMerge impl must be one of {sorted(AFFINE_MERGE_CONFIG)}, got {impl!r}")
         if profile and (impl != "regs" or starts_only):
             raise ValueError("profile is a diagnostics build of impl='regs' without starts_only")
+        if publish and (impl != "regs" or starts_only or profile):
+            raise ValueError("publish is built for impl='regs' without starts_only (and not with profile)")
         self.profile = profile
+        self.publish = publish
         self.impl = impl
         self.pdl = pdl
         self.staged = impl != "simt"
@@ -97,16 +106,18 @@ class AffineMerge:
         initial_state: cute.Tensor,
         start_states: cute.Tensor,
         final_state: cute.Tensor,
+        flags: cute.Tensor,
         stream,
     ):
         num_seqs = final_state.shape[0]
         num_heads = final_state.shape[1]
-        kernel = self.kernel
-        if cutlass.const_expr(self.impl == "ring"):
-            kernel = self.ring_kernel
         if cutlass.const_expr(self.impl == "regs"):
-            kernel = self.regs_kernel
-        kernel(m, h_ext, seg_offsets, initial_state, start_states, final_state).launch(
+            launch = self.regs_kernel(m, h_ext, seg_offsets, initial_state, start_states, final_state, flags)
+        elif cutlass.const_expr(self.impl == "ring"):
+            launch = self.ring_kernel(m, h_ext, seg_offsets, initial_state, start_states, final_state)
+        else:
+            launch = self.kernel(m, h_ext, seg_offsets, initial_state, start_states, final_state)
+        launch.launch(
             grid=[self.v_dim // self.block_v, num_heads, num_seqs],
             block=[self.num_threads, 1, 1],
             stream=stream,
@@ -262,7 +273,7 @@ class AffineMerge:
 
     @cute.kernel
     def regs_kernel(self, m: cute.Tensor, h_ext: cute.Tensor, seg_offsets: cute.Tensor, initial_state: cute.Tensor,
-                    start_states: cute.Tensor, final_state: cute.Tensor):
+                    start_states: cute.Tensor, final_state: cute.Tensor, flags: cute.Tensor):
         """`impl="regs"` (see the class docstring and the notes above)."""
         self.pdl_start()
         tid, _, _ = cute.arch.thread_idx()
@@ -319,7 +330,7 @@ class AffineMerge:
             for j in cutlass.range_constexpr(4):
                 h_cur[j] = h_next[j]
             self.regs_link(m, h_ext, start_states, slot, first, last, (slot - first) % 2, thread, m_cur, h_cur, m_next,
-                           h_next, cur, part, s_row, s_flat, stamps)
+                           h_next, cur, part, s_row, s_flat, stamps, flags)
             if cutlass.const_expr(self.profile):
                 t_end = cute.arch.clock64()
                 for p in cutlass.range_constexpr(4):
@@ -341,10 +352,14 @@ class AffineMerge:
     @cute.jit
     def regs_link(self, m: cute.Tensor, h_ext: cute.Tensor, start_states: cute.Tensor, slot, first, last, buf, thread,
                   m_cur: cute.Tensor, h_cur: cute.Tensor, m_next: cute.Tensor, h_next: cute.Tensor, cur: cute.Tensor,
-                  part: cute.Tensor, s_row: cute.Tensor, s_flat: cute.Tensor, stamps: cute.Tensor):
+                  part: cute.Tensor, s_row: cute.Tensor, s_flat: cute.Tensor, stamps: cute.Tensor, flags: cute.Tensor):
         """`regs`: one link of the chain, S <- M[slot] S + h_ext[slot] (M's block and h_ext's values in m_cur, h_cur;
-        state tile `buf` read, the other written) while segment slot + 1 loads into m_next, h_next."""
+        state tile `buf` read, the other written) while segment slot + 1 loads into m_next, h_next. `publish`: after
+        the link's CTA barrier (every thread's start[slot] stored), thread 0 publishes start[slot]."""
         head, rg, kg, row_x, own_row, v0, own_piece = thread
+        readers = Int32(0)
+        if cutlass.const_expr(self.publish):
+            readers = flags[slot]   # loaded here, used after the barrier: its latency hides under the products
         if cutlass.const_expr(self.profile):
             stamps[1] = cute.arch.clock64()
         nxt = slot + 1
@@ -374,6 +389,10 @@ class AffineMerge:
         if cutlass.const_expr(self.profile):
             stamps[4] = cute.arch.clock64()
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.publish):
+            tid, _, _ = cute.arch.thread_idx()
+            if tid == 0 and readers > 0:
+                publish_start(flags, slot, head, start_states.shape[0], start_states.shape[1])
 
     @cute.jit
     def regs_mac(self, part: cute.Tensor, m_cur: cute.Tensor, s_flat: cute.Tensor, s_row: cute.Tensor, buf, kg):
@@ -477,6 +496,15 @@ class AffineMerge:
                               cute.local_tile(m_next, (4,), (i,)))
         for i in cutlass.range_constexpr(self.rows_per_thread):
             h_next[i] = h_ext[slot, head, row0 + i, v]
+
+
+@cute.jit
+def publish_start(flags: cute.Tensor, slot, head, slots, num_heads):
+    """One thread, after a barrier that follows its CTA's stores of start[slot, head]: a gpu-scope fence (the
+    barrier makes the CTA's stores part of what it orders), then 1 added with release to the slot's count
+    (`AffineMerge`'s `publish`: flags[slots + slot * num_heads + head])."""
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.atomic_add(flags.iterator + (slots + slot * num_heads + head), Int32(1), sem="release", scope="gpu")
 
 
 class LseMerge:

@@ -15,3 +15,13 @@ def affine_merge_fits(impl: str, k_dim: int, v_dim: int) -> bool:
         return k_dim == 128 and v_dim % block_v == 0
     return (k_dim % 4 == 0 and v_dim % block_v == 0 and (k_dim * block_v) % threads == 0
             and threads % block_v == 0 and (k_dim * k_dim // 4) % threads == 0)
+
+
+# Variants that can publish each start state as they store it (`publish`: the one-pass forward's early correction
+# spins on these counts): one count per (slot, head), to which every CTA of the (sequence, head) adds 1.
+PUBLISHING_IMPLS = ("regs", "tc")
+
+
+def affine_merge_writers(impl: str, v_dim: int) -> int:
+    """How many CTAs of variant `impl` write one (slot, head)'s start state: what a published count reaches."""
+    return v_dim // AFFINE_MERGE_CONFIG[impl][1]

@@ -193,7 +193,9 @@ class PathChoice:
         state = "the state pass"
         if self.num_segments > 1:
             tp = _two_phase_module()
-            state = ("the state pass in one pass (summaries with outputs, affine merge, correction; STATE_ONE_PASS)"
+            state = ("the state pass in one pass (summaries with outputs, affine merge, correction; STATE_ONE_PASS"
+                     + (", early correction on the regs / tc merge's published start states: STATE_EARLY_CORRECTION)"
+                        if tp.STATE_EARLY_CORRECTION else ")")
                      if tp.STATE_ONE_PASS else
                      "the state pass in one launch (summaries, look-back chain, outputs; STATE_LOOKBACK)"
                      if tp.STATE_LOOKBACK else "the state pass (summary launch, affine merge, output launch)")
@@ -362,7 +364,8 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
            _two_phase_module().STATE_PAIR, _two_phase_module().state_pair(), _merge.AFFINE_MERGE_IMPL, OVERLAP,
            _two_phase_module().KDA_ROW_ANCHORS,
            _two_phase_module().GDN_RAW_QK, _two_phase_module().PREP_TRIO, _two_phase_module().OVERLAP_RAW,
-           _two_phase_module().GDN_FOLD, _two_phase_module().PREP_BALANCE, _two_phase_module().STATE_ONE_PASS)
+           _two_phase_module().GDN_FOLD, _two_phase_module().PREP_BALANCE, _two_phase_module().STATE_ONE_PASS,
+           _two_phase_module().STATE_EARLY_CORRECTION)
     choice = _two_phase_plans.get(key)
     if choice is None:
         from schedulers import Problem, SegmentScheduler, segmented_cost_us

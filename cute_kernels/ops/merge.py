@@ -7,7 +7,7 @@ import os
 import torch
 
 from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
-from ..kernels.merge_config import affine_merge_fits
+from ..kernels.merge_config import PUBLISHING_IMPLS, affine_merge_fits, affine_merge_writers
 from .checks import check_cuda, check_shape, check_tensor, offsets_tensor
 
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -73,10 +73,16 @@ def merge_impl_for(num_seqs: int, num_heads: int, k_dim: int, v_dim: int, sms: i
 
 
 def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, impl: str | None = None, dump_dir=None,
-                         starts_only: bool = False, pdl: bool = False, profile: bool = False):
+                         starts_only: bool = False, pdl: bool = False, profile: bool = False, publish: bool = False):
+    """Compile one affine-merge variant (no GPU needed). The compiled function takes (M, h_ext, seg_offsets,
+    initial_state, start_states, final_state, flags): `flags` (int32) is read only by `publish` builds (regs, tc:
+    each start state published for the one-pass forward's early correction, see `AffineMerge`); others take any
+    int32 tensor there (the callers pass seg_offsets)."""
     impl = merge_impl_for(1, 1, k_dim, v_dim, 1) if impl is None else impl
     if impl not in AFFINE_MERGE_IMPLS:
         raise ValueError(f"affine merge impl must be one of {AFFINE_MERGE_IMPLS}, got {impl!r}")
+    if publish and impl not in PUBLISHING_IMPLS:
+        raise ValueError(f"publish is built for the {PUBLISHING_IMPLS} merges, got {impl!r}")
 
     def build():
         from ..runtime.arch import import_cutlass
@@ -93,14 +99,16 @@ def compile_affine_merge(k_dim: int, v_dim: int, has_initial_state: bool, impl: 
             fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
             fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
             fake_tensor(f32, (DYN, DYN, k_dim, v_dim)),
+            fake_tensor(i32, (DYN,), align=4),   # flags (publish)
             fake_stream(),
         )
         if impl == "tc":
-            return AffineMergeTcSm90(cutlass.BFloat16, has_initial_state, starts_only, pdl=pdl), args
-        return AffineMerge(k_dim, v_dim, has_initial_state, impl, starts_only, pdl=pdl, profile=profile), args
+            return AffineMergeTcSm90(cutlass.BFloat16, has_initial_state, starts_only, pdl=pdl, publish=publish), args
+        return AffineMerge(k_dim, v_dim, has_initial_state, impl, starts_only, pdl=pdl, profile=profile,
+                           publish=publish), args
 
     key = (("affine_merge", k_dim, v_dim, has_initial_state, impl) + (("starts_only",) if starts_only else ())
-           + (("pdl",) if pdl else ()) + (("profile",) if profile else ()))
+           + (("pdl",) if pdl else ()) + (("profile",) if profile else ()) + (("publish",) if publish else ()))
     return compile_kernel(key, build, dump_dir=dump_dir)
 
 
@@ -141,23 +149,33 @@ def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_
     # leading sizes set the grid.
     unused = start_states[:N] if slots >= N else torch.empty((N, H, K, V), dtype=torch.float32, device=device)
     init = initial_state if initial_state is not None else unused
-    compiled.fn(M, h_ext, offsets, init, start_states, final_state if final_state is not None else unused)
+    compiled.fn(M, h_ext, offsets, init, start_states, final_state if final_state is not None else unused, offsets)
     return start_states, final_state
 
 
 def affine_merge_starts_plan(num_seqs: int, num_heads: int, slots: int, seg_offsets, has_initial_state: bool,
-                             device, pdl: bool = False, final: bool = False):
+                             device, pdl: bool = False, final: bool = False, flags: torch.Tensor | None = None):
     """`affine_merge(..., starts_only=True)` for one fixed configuration (K = V = 128), checked and compiled once:
     the returned `run(M, h_ext, initial_state) -> start_states` launches without checking its tensors again (the
     two-phase state pass calls it once per forward with buffers it made itself). `pdl`: launched with programmatic
     dependent launch (it waits for the previous kernel inside, see `AffineMerge`). `final`: the final states too
     (every summary is applied): `run(M, h_ext, initial_state, final_state)` writes them into `final_state`
-    ([num_seqs, H, 128, 128] fp32, or None: not kept)."""
+    ([num_seqs, H, 128, 128] fp32, or None: not kept).
+    `flags` (with `final`; int32 [slots + slots * num_heads], the caller's: readers per slot, then zeroed counts):
+    the merge publishes every start state that has readers as it stores it (`AffineMerge`'s `publish`); `run.writers`
+    is what each published count reaches. Only the regs and tc variants publish: for the others (a forced
+    CUTE_KERNELS_AFFINE_MERGE) `run.writers` is None and nothing is published."""
     offsets, n = offsets_tensor("seg_offsets", seg_offsets, slots, device)
     if n != num_seqs:
         raise ValueError(f"seg_offsets has {n} sequences, expected {num_seqs}")
     impl = merge_impl_for(num_seqs, num_heads, 128, 128, sm_count(device))
-    fn = compile_affine_merge(128, 128, has_initial_state, impl, starts_only=not final, pdl=pdl).fn
+    publish = flags is not None and impl in PUBLISHING_IMPLS
+    if flags is not None and not final:
+        raise ValueError("a publishing merge plan needs final=True")
+    if publish and (flags.dtype != torch.int32 or flags.numel() != slots * (1 + num_heads)):
+        raise ValueError(f"flags must be int32 [{slots * (1 + num_heads)}], got {flags.dtype} {tuple(flags.shape)}")
+    fn = compile_affine_merge(128, 128, has_initial_state, impl, starts_only=not final, pdl=pdl, publish=publish).fn
+    flag_arg = flags if publish else offsets
 
     def run(M, h_ext, initial_state, final_state=None):
         starts = torch.empty((slots, num_heads, 128, 128), dtype=torch.float32, device=device)
@@ -165,9 +183,10 @@ def affine_merge_starts_plan(num_seqs: int, num_heads: int, slots: int, seg_offs
         if final and final_state is None:
             final_state = torch.empty((num_seqs, num_heads, 128, 128), dtype=torch.float32, device=device)
         fn(M, h_ext, offsets, initial_state if has_initial_state else unused, starts,
-           final_state if final else unused)
+           final_state if final else unused, flag_arg)
         return starts
 
+    run.writers = affine_merge_writers(impl, 128) if publish else None
     return run
 
 

@@ -552,6 +552,12 @@ STATE_LOOKBACK = os.environ.get("CUTE_KERNELS_STATE_LOOKBACK", "0") == "1"
 # (tests/test_two_phase.py -k one_pass, scripts/time_two_phase.py one-pass). CUTE_KERNELS_STATE_ONE_PASS=1.
 STATE_ONE_PASS = os.environ.get("CUTE_KERNELS_STATE_ONE_PASS", "0") == "1"
 CORRECTION_CHUNKS_PER_TILE = 4   # the correction launch: chunks per CTA (S_0's split is made once per tile)
+# With STATE_ONE_PASS: the merge (regs or tc) publishes each start state as it stores it, and the correction grid
+# (launched programmatically as soon as every merge CTA runs) spins on those counts instead of waiting for the whole
+# merge, so every correction but the last segments' runs under the merge's chain (`SegmentCorrectionSm90(early)`).
+# Written in session 24 without a GPU (compiled; its counts' bookkeeping emulated on the CPU): off until measured
+# (tests/test_two_phase.py -k one_pass, scripts/time_two_phase.py one-pass). CUTE_KERNELS_STATE_EARLY_CORRECTION=1.
+STATE_EARLY_CORRECTION = os.environ.get("CUTE_KERNELS_STATE_EARLY_CORRECTION", "0") == "1"
 
 
 def state_pair(output_tiles: int | None = None, slots: int | None = None) -> bool:
@@ -625,9 +631,11 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     return compile_kernel(key, build, dump_dir=dump_dir)
 
 
-def compile_segment_correction(io_dtype: torch.dtype, dump_dir=None, pdl: bool | None = None):
+def compile_segment_correction(io_dtype: torch.dtype, dump_dir=None, pdl: bool | None = None, early: bool = False):
     """Compile the one-pass forward's correction (`SegmentCorrectionSm90`: o += qm S_0 per tile) (no GPU needed);
-    `pdl` defaults to PDL."""
+    `pdl` defaults to PDL. `early`: each tile spins on its start state's published count (STATE_EARLY_CORRECTION).
+    The compiled function takes (qm, o, starts, tiles, num_tiles, flags, writers): flags (int32) and writers are
+    read only by the early build."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
 
     def build():
@@ -645,12 +653,15 @@ def compile_segment_correction(io_dtype: torch.dtype, dump_dir=None, pdl: bool |
             fake_tensor(cutlass.Float32, (DYN, DYN, 128, 128)),    # start states
             fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
             cutlass.Int32(1),
+            fake_tensor(cutlass.Int32, (DYN,), align=4),           # flags (early)
+            cutlass.Int32(1),                                      # writers (early)
             fake_stream(),
         )
-        return SegmentCorrectionSm90(io, pdl), args
+        return SegmentCorrectionSm90(io, pdl, early), args
 
     pdl = PDL if pdl is None else pdl
-    return compile_kernel(("segment_correction_sm90", str(io_dtype), pdl), build, dump_dir=dump_dir)
+    key = ("segment_correction_sm90", str(io_dtype), pdl) + (("early",) if early else ())
+    return compile_kernel(key, build, dump_dir=dump_dir)
 
 
 _schedules: dict = {}
@@ -735,12 +746,13 @@ class StatePlan:
     The lookback build's flags and workspace belong to the plan: a plan must not run on two streams at once."""
 
     def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold=False, lookback=False,
-                 one_pass=False):
+                 one_pass=False, early=False):
         self.lookback = self.one_pass = False
         if lookback or one_pass:
             schedule, summ = _state_pass_schedules(B, T, H, 128, num_segments, init, cu, device)
             if summ is not None and one_pass:
-                self._init_one_pass(B, T, H, cu, kda, io, init, final, schedule.segmentation, device, raw, fold)
+                self._init_one_pass(B, T, H, cu, kda, io, init, final, schedule.segmentation, device, raw, fold,
+                                    early)
                 return
             if summ is not None:
                 self._init_lookback(B, T, H, cu, kda, io, init, final, schedule.segmentation, device, raw, fold)
@@ -789,15 +801,19 @@ class StatePlan:
                      torch.empty(2 * slots * H * 2 * 128 * 64, dtype=torch.float32, device=device))
         self.launch = (lb.table_on(device), lb.num_tiles, lb.grid[0], self.flags, 0) + workspace
 
-    def _init_one_pass(self, B, T, H, cu, kda, io, init, final, segmentation, device, raw, fold):
+    def _init_one_pass(self, B, T, H, cu, kda, io, init, final, segmentation, device, raw, fold, early):
         """The one-pass segmented state pass (STATE_ONE_PASS): a summary launch over every segment (the last ones
         too) that also stores the chains' outputs (o from zero, qm), the merge (start states and the final
-        state), and the correction launch over every segment with a non-zero start."""
+        state), and the correction launch over every segment with a non-zero start. `early`
+        (STATE_EARLY_CORRECTION, where the merge variant publishes): the merge publishes each start state and the
+        correction tiles spin on it; `flags` (the plan's, int32 [slots + slots * H]) holds each slot's readers
+        (its correction tiles) and then the published counts, zero between launches."""
         from schedulers import correction_schedule, summary_schedule
 
         problem = _problem(B, T, H, cu, num_blocks=4)   # 2 h_ext blocks, 2 M blocks
         summ = summary_schedule(problem, segmentation, init, h_blocks=2, last=True)
         corr = correction_schedule(_problem(B, T, H, cu), segmentation, init, CORRECTION_CHUNKS_PER_TILE)
+        slots = segmentation.total_segments
         self.one_pass, self.init, self.device, self.split, self.pair = True, init, device, True, False
         self.slots = segmentation.total_segments
         self.summary_fn = compile_state_pass(io, kda, False, False, mode="summary", rs=True, num_stages=2,
@@ -806,10 +822,18 @@ class StatePlan:
         tail = state_pass_tail(device, io)   # (flags, chunks per sequence, lb_m, lb_ws): stand-ins but lb_m
         self.summary_launch = (summ.table_on(device), summ.num_tiles, summ.grid[0]) + tail[:2]
         self.unused_ws = tail[3]            # lb_ws: not read in summary mode
+        self.flags = None
+        if early and corr.num_tiles:
+            readers = correction_readers(corr, slots)
+            self.flags = torch.cat([readers, torch.zeros(slots * H, dtype=torch.int32)]).to(device)
         self.merge = _merge.affine_merge_starts_plan(len(segmentation.seg_offsets) - 1, H, self.slots,
-                                                     segmentation.seg_offsets, init, device, pdl=PDL, final=True)
-        self.correct_fn = compile_segment_correction(io) if corr.num_tiles else None
-        self.correct_launch = (corr.table_on(device), corr.num_tiles)
+                                                     segmentation.seg_offsets, init, device, pdl=PDL, final=True,
+                                                     flags=self.flags)
+        self.early = self.merge.writers is not None   # None: the merge variant does not publish
+        self.correct_fn = compile_segment_correction(io, early=self.early) if corr.num_tiles else None
+        table = corr.table_on(device)
+        self.correct_launch = ((table, corr.num_tiles, self.flags, self.merge.writers) if self.early
+                               else (table, corr.num_tiles, table.view(-1), 0))   # stand-ins: not read
         self.qm_shape, self.io = (B, T, H, 128), io
 
     def run_one_pass(self, prep: PrepTerms, initial_state, o, final):
@@ -851,7 +875,17 @@ def state_plan(B, T, H, cu, kda, io, init, final, num_segments, device, raw: boo
     raw = raw_qk_path(kda) if raw is None else raw
     fold = fold_path(kda) if fold is None else fold
     return _cached_plan(StatePlan, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold,
-                        STATE_LOOKBACK, STATE_ONE_PASS)
+                        STATE_LOOKBACK, STATE_ONE_PASS, STATE_EARLY_CORRECTION)
+
+
+def correction_readers(schedule, slots: int) -> torch.Tensor:
+    """int32 [slots]: how many tiles of a correction schedule read each slot's start state (per head: every head
+    has the same tiles), the count an early correction's last reader recognizes (`SegmentCorrectionSm90`)."""
+    readers = torch.zeros(slots, dtype=torch.int32)
+    for t in schedule.tiles:
+        if t.head == 0:
+            readers[t.seg_slot] += 1
+    return readers
 
 
 class OverlapPlan:
@@ -1179,16 +1213,23 @@ def one_pass_state_us(problem, lens, kda: bool, init: bool, slots: int, link_us:
     """Predicted GPU time of the one-pass segmented state pass (`lens`: each sequence's segment lengths in
     chunks): the summary launch with outputs (2 h_ext + 2 M tiles per (segment, head), the first segment's M
     tiles only with an initial state; each chunk at the output chain's cost), the merge (every segment is a
-    link: the final state too) and the correction (memory-bound over the corrected segments' tokens)."""
+    link: the final state too) and the correction (memory-bound over the corrected segments' tokens).
+    STATE_EARLY_CORRECTION: the correction starts after the first link and runs under the chain, so it ends at
+    the later of (the chain, then the last segments' share) and (one link, then all of it)."""
     from schedulers.heuristics import makespan
 
     H = problem.num_heads
     chunk_us = STATE_RAW_CHUNK_US if raw_qk_path(kda) else STATE_CHUNK_US[kda]
     summary = [n for ls in lens for s, n in enumerate(ls) for _ in range(H * (4 if (s or init) else 2))]
     t = makespan(summary, slots) * chunk_us + LAUNCH_US
-    t += max(len(ls) for ls in lens) * (link_us + SEGMENT_US[kda]) + LAUNCH_US
-    corrected = sum(n for ls in lens for s, n in enumerate(ls) if s or init) * problem.chunk_size * H
-    return t + corrected * 768 / CORRECTION_BYTES_PER_US + LAUNCH_US
+    link = link_us + SEGMENT_US[kda]
+    chain = max(len(ls) for ls in lens) * link
+    us_per_chunk = problem.chunk_size * H * 768 / CORRECTION_BYTES_PER_US   # one chunk of every head
+    corr = sum(n for ls in lens for s, n in enumerate(ls) if s or init) * us_per_chunk
+    if STATE_EARLY_CORRECTION:
+        last = sum(ls[-1] for ls in lens if len(ls) > 1 or init) * us_per_chunk
+        return t + max(chain + last, link + corr) + LAUNCH_US
+    return t + chain + LAUNCH_US + corr + LAUNCH_US
 
 
 def plan_num_segments(problem, kda: bool, init: bool, slots: int, link_us: float, min_chunks: int = 2) -> int:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
+from ..merge import publish_start
 from . import wgmma_tiles as wt
 
 K_DIM = 128
@@ -36,9 +37,16 @@ class AffineMergeTcSm90:
     - warpgroup 0: consumer. Holds S^T in accumulator registers; per slot: new = h^T (from smem) +
       S^T_hi M^T_hi + S^T_hi M^T_lo + S^T_lo M^T_hi (RS wgmma, one commit), the start state stored meanwhile.
     Pipeline: `PipelineAsync` (producer 128 threads, consumer 128 threads), 2 stages of 96 KB.
+    `publish` (not `starts_only`): as `AffineMerge`'s -- flags[slot] holds slot's readers, flags[slots + slot * H +
+    head] its count; once the consumer has stored start[slot] (while the link's products run) its warpgroup meets
+    at a named barrier and thread 0 publishes (gpu-scope fence, release add of 1), so the count reaches V / 64.
     """
 
-    def __init__(self, io_dtype, has_initial_state: bool, starts_only: bool = False, pdl: bool = False):
+    def __init__(self, io_dtype, has_initial_state: bool, starts_only: bool = False, pdl: bool = False,
+                 publish: bool = False):
+        if publish and starts_only:
+            raise ValueError("publish is built without starts_only")
+        self.publish = publish
         self.io_dtype = io_dtype
         self.pdl = pdl   # launched early after the summary launch: griddepcontrol.wait before any read
         self.has_initial_state = has_initial_state
@@ -47,7 +55,7 @@ class AffineMergeTcSm90:
 
     @cute.jit
     def __call__(self, m: cute.Tensor, h_ext: cute.Tensor, seg_offsets: cute.Tensor, initial_state: cute.Tensor,
-                 start_states: cute.Tensor, final_state: cute.Tensor, stream):
+                 start_states: cute.Tensor, final_state: cute.Tensor, flags: cute.Tensor, stream):
         io = self.io_dtype
 
         @cute.struct
@@ -60,14 +68,14 @@ class AffineMergeTcSm90:
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB of an SM90 CTA"
-        self.kernel(m, h_ext, seg_offsets, initial_state, start_states, final_state).launch(
+        self.kernel(m, h_ext, seg_offsets, initial_state, start_states, final_state, flags).launch(
             grid=[final_state.shape[3] // V_BLOCK, final_state.shape[1], final_state.shape[0]],
             block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl,
         )
 
     @cute.kernel
     def kernel(self, m: cute.Tensor, h_ext: cute.Tensor, seg_offsets: cute.Tensor, initial_state: cute.Tensor,
-               start_states: cute.Tensor, final_state: cute.Tensor):
+               start_states: cute.Tensor, final_state: cute.Tensor, flags: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
@@ -97,7 +105,7 @@ class AffineMergeTcSm90:
             self.producer(ring, m, h_ext, sMhi, sMlo, sH, head, v0, first, end, tidx - 128)
         else:
             self.consumer(ring, sMhi, sMlo, sH, initial_state, start_states, final_state, seq, head, v0, first,
-                          last, end, tidx)
+                          last, end, tidx, flags)
 
     @cute.jit
     def producer(self, ring, m, h_ext, sMhi, sMlo, sH, head, v0, first, end, ptid):
@@ -123,7 +131,7 @@ class AffineMergeTcSm90:
 
     @cute.jit
     def consumer(self, ring, sMhi, sMlo, sH, initial_state, start_states, final_state, seq, head, v0, first,
-                 last, end, wtid):
+                 last, end, wtid, flags):
         io = self.io_dtype
         thr = wt.make_mma_rs(io, False, K_DIM).get_slice(wtid)
         cc = thr.partition_C(cute.make_identity_tensor((V_BLOCK, K_DIM)))     # (v, k) of S^T
@@ -137,6 +145,9 @@ class AffineMergeTcSm90:
                 acc[i] = Float32(0.0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, NUM_STAGES)
         for slot in cutlass.range(first, end, unroll=1):
+            readers = Int32(0)
+            if cutlass.const_expr(self.publish):
+                readers = flags[slot]
             ring.consumer_wait(state)
             stage = state.index
             for i in cutlass.range_constexpr(cute.size(nxt)):
@@ -160,6 +171,10 @@ class AffineMergeTcSm90:
             for i in cutlass.range_constexpr(cute.size(acc)):   # this slot's start, while the products run
                 vv, kk = cc[i]
                 start_states[slot, head, kk, v0 + vv] = acc[i]
+            if cutlass.const_expr(self.publish):   # under the products: every consumer thread's stores, then thread 0
+                cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                if wtid == 0 and readers > 0:
+                    publish_start(flags, slot, head, start_states.shape[0], start_states.shape[1])
             warpgroup.wait_group(0)
             ring.consumer_release(state)
             state.advance()

@@ -37,17 +37,29 @@ class SegmentCorrectionSm90:
       read, added in fp32 and written back in 16-bit.
     `pdl`: launched with programmatic dependent launch right after the merge: barrier setup and the descriptor
     prefetch run under the merge's tail; every thread waits (`griddepcontrol.wait`) before reading anything.
+    `early` (with a merge built with `publish`): no `griddepcontrol.wait`. The merge lets this grid launch as soon as
+    all its CTAs have passed their own wait on the summary launch (`pdl_start`), so qm and o are complete when any
+    CTA here starts, and the first qm tiles are loaded at once; each tile then waits only for its own segment's
+    start state. Thread 0 spins (gpu-scope acquire loads) until flags[slots + slot * H + head] reaches `writers`
+    (every merge CTA of the head has published), and after the split takes one count back: the last of the slot's
+    flags[slot] readers sets it to 0 for the next launch. No deadlock: every merge CTA holds an SM before any CTA
+    of this grid starts (programmatic launch, or stream order without it), and the merge waits on nothing here.
+    So all corrections but the last segments' run under the merge's chain. The CTA of the table's last tile (a
+    last segment's: the tiles are ordered by segment) waits for the merge grid (`griddepcontrol.wait`) before it
+    exits, so this grid never completes before the merge: a kernel that waits on this one (its final states) sees
+    the merge's writes too.
     """
 
-    def __init__(self, io_dtype, pdl: bool = False):
+    def __init__(self, io_dtype, pdl: bool = False, early: bool = False):
         self.io_dtype = io_dtype
         self.pdl = pdl
+        self.early = early
         self.num_threads = 128
         self.tma_bytes = C * K_DIM * io_dtype.width // 8
 
     @cute.jit
     def __call__(self, qm: cute.Tensor, o: cute.Tensor, starts: cute.Tensor, tiles: cute.Tensor, num_tiles: Int32,
-                 stream):
+                 flags: cute.Tensor, writers: Int32, stream):
         io = self.io_dtype
         qm, o = flat(qm), flat(o)
         wide = wt.first_stage(wt.smem_layout(C, K_DIM, io))
@@ -61,7 +73,7 @@ class SegmentCorrectionSm90:
             sSlo: cute.struct.Align[cute.struct.MemRange[io, K_DIM * V_DIM], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(tma_qm, tma_qm_t, o, starts, tiles, num_tiles).launch(
+        self.kernel(tma_qm, tma_qm_t, o, starts, tiles, num_tiles, flags, writers).launch(
             grid=[num_tiles, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=2,
             preferred_smem_carveout=100,   # fixed (all of the SM for shared memory): no device query when compiling
             use_pdl=self.pdl,
@@ -69,7 +81,7 @@ class SegmentCorrectionSm90:
 
     @cute.kernel
     def kernel(self, tma_qm: cute.CopyAtom, mQm: cute.Tensor, mO: cute.Tensor, mStarts: cute.Tensor,
-               mTiles: cute.Tensor, num_tiles: Int32):
+               mTiles: cute.Tensor, num_tiles: Int32, mFlags: cute.Tensor, writers: Int32):
         io = self.io_dtype
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -87,20 +99,33 @@ class SegmentCorrectionSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()   # the merge (and before it the summary launch) complete and visible
+            if cutlass.const_expr(not self.early):
+                cute.arch.griddepcontrol_wait()   # the merge (and before it the summary launch) complete and visible
             cute.arch.griddepcontrol_launch_dependents()
 
         work = TileScheduler.create(mTiles, num_tiles, False).initial_work()
         head = work.head
+        slot = work.seg_slot
         tok0 = work.tok_start
         tok_end = work.tok_end
         n_chunks = work.chunk_end - work.chunk_start
         for c in cutlass.range_constexpr(NUM_STAGES):   # the first chunks' loads under the split of S_0
             if c < n_chunks:
                 self.load_chunk(tma_qm, mQm, sQm, st, head, tok0, c, tidx, warp)
-        wt.split_hi_lo(io, mStarts[work.seg_slot, head, None, None], sShi, sSlo, tidx, self.num_threads)
+        count = mFlags.iterator + (mStarts.shape[0] + slot * mStarts.shape[1] + head)
+        if cutlass.const_expr(self.early):
+            if tidx == 0:   # S_0 published by every merge CTA of this head
+                seen = Int32(0)
+                while seen < writers:
+                    seen = cute.arch.load(count, Int32, sem="acquire", scope="gpu")
+            cute.arch.sync_threads()   # orders every thread's reads of S_0 after thread 0's acquire
+        wt.split_hi_lo(io, mStarts[slot, head, None, None], sShi, sSlo, tidx, self.num_threads)
         cute.arch.fence_proxy("async.shared", space="cta")   # generic writes -> the wgmma's async reads
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.early):
+            if tidx == 0:   # one reader done; the last one resets the count for the next launch
+                if cute.arch.atomic_add(count, Int32(1), sem="relaxed", scope="gpu") == writers + mFlags[slot] - 1:
+                    cute.arch.store(count, Int32(0), sem="relaxed", scope="gpu")
 
         thr = wt.make_mma(io, False, True, V_DIM).get_slice(tidx)
         cc = thr.partition_C(cute.make_identity_tensor((C, V_DIM)))   # (token, v)
@@ -120,6 +145,10 @@ class SegmentCorrectionSm90:
                 t, vv = cc[i]
                 if t < L:
                     gO[t, vv] = io(Float32(gO[t, vv]) + acc[i])
+        if cutlass.const_expr(self.early and self.pdl):
+            bid, _, _ = cute.arch.block_idx()
+            if bid == num_tiles - 1:
+                cute.arch.griddepcontrol_wait()   # the merge complete (its final states) before this grid is
 
     @cute.jit
     def load_chunk(self, tma_qm, mQm, sQm, st, head, tok0, c, tidx, warp):

@@ -229,7 +229,7 @@ def _variants() -> list[Variant]:
                                              tma_o=False, u_fast=False, pdl=True),
                 ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
                                "ld.acquire.gpu.global", "vote.sync.ballot", "fence.proxy.async.global",
-                               "ld.global.v4.b32"),
+                               "ld.global.v4.b32", "trap;"),   # trap: the bounded spin (kernels/spin.py)
                 archs=("sm_90a",),
             ))
         else:
@@ -237,7 +237,7 @@ def _variants() -> list[Variant]:
                 op, f"{tag}_state_pass_sm90_bfloat16_consume",
                 lambda d: compile_state_pass(torch.bfloat16, True, True, True, dump_dir=d, consume=True),
                 ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "ld.acquire.gpu.global", "vote.sync.ballot",
-                               "fence.proxy.async.global"),
+                               "fence.proxy.async.global", "trap;"),
                 archs=("sm_90a",),
             ))
         for mode, init, final in (("forward", True, True), ("summary", False, False),
@@ -298,7 +298,7 @@ def _variants() -> list[Variant]:
                 "linear_attention", "segment_correction_sm90_bfloat16_early",
                 lambda d: compile_segment_correction(torch.bfloat16, dump_dir=d, pdl=True, early=True),
                 ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
-                               "ld.acquire.gpu", "atom.global.add", "griddepcontrol.launch_dependents"),
+                               "ld.acquire.gpu", "atom.global.add", "griddepcontrol.launch_dependents", "trap;"),
                 archs=("sm_90a",),
             ))
         # summary_o: the one-pass segmented forward's summary launch (the chain's outputs stored too: o from 0 by
@@ -322,7 +322,7 @@ def _variants() -> list[Variant]:
                     tma_o=False, u_fast=False, pair=False, pdl=True, raw_qk=not kda, fold=not kda),
                 ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
                                "atom.global.add", "atom.global.release.add", "ld.acquire.gpu", "fence.acq_rel.gpu",
-                               "st.release.gpu", "fence.proxy.async.global", "mbarrier.try_wait"),
+                               "st.release.gpu", "fence.proxy.async.global", "mbarrier.try_wait", "trap;"),
                 archs=("sm_90a",),
             ))
         out.append(Variant(   # rs with u read at constant offsets (a switch, off until measured)

@@ -15,6 +15,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from schedulers.device import TileScheduler
 
+from ..spin import wait_at_least
 from . import wgmma_tiles as wt
 from .gdn_fwd import flat, thd
 
@@ -40,7 +41,7 @@ class SegmentCorrectionSm90:
     `early` (with a merge built with `publish`): no `griddepcontrol.wait`. The merge lets this grid launch as soon as
     all its CTAs have passed their own wait on the summary launch (`pdl_start`), so qm and o are complete when any
     CTA here starts, and the first qm tiles are loaded at once; each tile then waits only for its own segment's
-    start state. Thread 0 spins (gpu-scope acquire loads) until flags[slots + slot * H + head] reaches `writers`
+    start state. Thread 0 spins (gpu-scope acquire loads, `spin.wait_at_least`: bounded, it traps) until flags[slots + slot * H + head] reaches `writers`
     (every merge CTA of the head has published), and after the split takes one count back: the last of the slot's
     flags[slot] readers sets it to 0 for the next launch. No deadlock: every merge CTA holds an SM before any CTA
     of this grid starts (programmatic launch, or stream order without it), and the merge waits on nothing here.
@@ -115,9 +116,7 @@ class SegmentCorrectionSm90:
         count = mFlags.iterator + (mStarts.shape[0] + slot * mStarts.shape[1] + head)
         if cutlass.const_expr(self.early):
             if tidx == 0:   # S_0 published by every merge CTA of this head
-                seen = Int32(0)
-                while seen < writers:
-                    seen = cute.arch.load(count, Int32, sem="acquire", scope="gpu")
+                wait_at_least(count, writers)
             cute.arch.sync_threads()   # orders every thread's reads of S_0 after thread 0's acquire
         wt.split_hi_lo(io, mStarts[slot, head, None, None], sShi, sSlo, tidx, self.num_threads)
         cute.arch.fence_proxy("async.shared", space="cta")   # generic writes -> the wgmma's async reads

@@ -16,6 +16,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from schedulers.device import TicketScheduler, TileScheduler, take_ticket
 
+from ..spin import count_spin, wait_at_least, wait_nonzero
 from . import wgmma_tiles as wt
 
 C = 64          # chunk length (tokens)
@@ -489,9 +490,7 @@ class ChunkStatePassSm90:
             slots = mM.shape[0] // (2 * num_heads * K_DIM)
             if lane == 0:
                 ptr = mFlags.iterator + lb_flag(slot, head, blk, num_heads, n_vb, slots, False)
-                seen = Int32(0)
-                while seen < 1 + K_DIM // V_BLOCK:
-                    seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+                wait_at_least(ptr, Int32(1 + K_DIM // V_BLOCK))
             cute.arch.sync_warp()
             cute.arch.fence_proxy("async.global")
             bar = st.link_mbar.data_ptr()
@@ -513,7 +512,9 @@ class ChunkStatePassSm90:
         async-proxy reads (TMA) are ordered after the acquires (bar.warp.sync orders memory among the lanes)."""
         ptr = mFlags.iterator + idx + lane * stride
         run = Int32(0)
+        spins = Int32(0)
         while run == 0:
+            spins = count_spin(spins)   # traps if phase 1 never publishes (`spin.py`)
             seen = Int32(0)
             if lane < left:
                 seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
@@ -662,7 +663,7 @@ class ChunkStatePassSm90:
                         need = Int32(1 + K_DIM // V_BLOCK)
                     ptr = mFlags.iterator + lb_flag(slot, head, blk, num_heads, n_vb, slots, False)
                     seen = Int32(0)
-                    while seen < need:
+                    while seen < need:   # unbounded (a bound here spilled): with M the producer's bounded wait saw it
                         seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
                     cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")   # back to 0 for the next launch
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
@@ -672,9 +673,7 @@ class ChunkStatePassSm90:
             else:
                 if wtid == 0:
                     ptr = mFlags.iterator + lb_flag(slot - 1, head, blk, num_heads, n_vb, slots, True)
-                    seen = Int32(0)
-                    while seen == 0:
-                        seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+                    wait_nonzero(ptr)
                     cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
                 self.load_fragment(acc_s, mWs, lb_fragment(1, slot - 1, head, blk, num_heads, n_vb, slots, wtid))

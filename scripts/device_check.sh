@@ -2,7 +2,7 @@
 # Build, check and time on the GPU machine in one call (see README "Running on the H200").
 # Usage (from the repo root, after `source .wheelhouse/b/install.sh`):
 #   bash scripts/device_check.sh [tests] [gpu-tests] [gdn-tests] [seg-tests] [merge-tests] [gdn-smoke] [gdn-profile] [kda-profile]
-#                                [host] [merge-time] [two-phase] [two-phase-tests] [two-phase-quick] [prep-time] [state-time] [state-profile] [pair] [pair-auto] [lookback] [one-pass] [regs] [regs-profile] [overlap] [bench-OP-GRID] ...
+#                                [host] [merge-time] [two-phase] [two-phase-tests] [two-phase-quick] [prep-time] [state-time] [state-profile] [pair] [pair-auto] [lookback] [one-pass] [pending-tests] [pending-time] [regs] [regs-profile] [overlap] [bench-OP-GRID] ...
 #   e.g. BENCH_ARGS=--graph bash scripts/device_check.sh gdn-smoke gdn-tests bench-gdn-large
 # Logs and JSON go to $OUT (or ./device_out), so they come back with the call.
 set -uo pipefail
@@ -93,6 +93,16 @@ for stage in $stages; do
       timeout -s INT -k 10 ${ONE_PASS_TEST_S:-180} python3 -m pytest tests/test_two_phase.py -q --tb=short -p no:cacheprovider -k "one_pass_state_pass or early_correction" 2>&1 | tee "$out/one_pass_tests.log" | tail -8
       status=$((status | ${PIPESTATUS[0]}))
       timeout -s INT -k 20 $t python3 scripts/time_two_phase.py one-pass 2>&1 | tee "$out/one_pass_time.log" | grep -v Warn
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    pending-tests)   # every GPU test of the builds written without a GPU (sessions 22-24), each group under its own short limit (a hang, or a trap from a bounded spin, costs only its group): the publishing merge, one-pass + early correction, look-back, pair with the fold's terms
+      for group in "publishing_merge:60:tests/test_merge.py" "one_pass_state_pass or early_correction:200:tests/test_two_phase.py" "lookback:150:tests/test_two_phase.py" "pair_state_pass or (two_phase_matches_reference and rs-pair):150:tests/test_two_phase.py"; do
+        k=${group%%:*}; rest=${group#*:}; lim=${rest%%:*}; file=${rest#*:}
+        echo "--- -k \"$k\" (limit ${lim} s)"
+        timeout -s INT -k 10 $lim python3 -m pytest $file -q --tb=line -p no:cacheprovider -k "$k" 2>&1 | tee -a "$out/pending_tests.log" | tail -4
+        status=$((status | ${PIPESTATUS[0]}))
+      done ;;
+    pending-time)   # the state-pass builds side by side (split / look-back / one-pass / early) on two cells, then the op beside FLA (FLA autotunes each new shape: ~35 s)
+      ONE_PASS_CELLS=${ONE_PASS_CELLS:-"1,4,16384;1,8,8192"} ONE_PASS_SEGMENTS=${ONE_PASS_SEGMENTS:-"8"} timeout -s INT -k 20 ${PENDING_TIME_S:-540} python3 scripts/time_two_phase.py one-pass 2>&1 | tee "$out/pending_time.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
     pair-auto)   # STATE_PAIR "auto" with the fold's terms: GPU tests, then its time on multi-wave cells beside FLA
       timeout -s INT -k 10 ${PAIR_TEST_S:-150} python3 -m pytest tests/test_two_phase.py -q --tb=short -p no:cacheprovider -k "pair_state_pass or (two_phase_matches_reference and rs-pair)" 2>&1 | tee "$out/pair_auto_tests.log" | tail -6

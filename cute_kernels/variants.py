@@ -200,6 +200,16 @@ def _variants() -> list[Variant]:
                     ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4") + extra,
                     archs=("sm_90a",),
                 ))
+            # KDA_FOLD: qg, kE = k 2^G, W2 = T^T kg and A1 = Aqk T (no v load, no u), by TMA and by threads
+            for suffix, tma in (("", True), ("_thread_out", False)):
+                out.append(Variant(
+                    op, f"{tag}_chunk_prep_sm90_bfloat16_fold{suffix}",
+                    lambda d, tma=tma: compile_chunk_prep(torch.bfloat16, torch.bfloat16, True, dump_dir=d, pdl=True,
+                                                          tma_out=tma, solve_mma=True, fold=True),
+                    ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4") + mma
+                    + (("cp.async.bulk.tensor.3d.global.shared::cta",) if tma else ()),
+                    archs=("sm_90a",),
+                ))
         # The overlapped path: phase 1 publishing per-chunk flags (GDN's builds) and the state pass waiting on them
         # (KDA's gated build, GDN's raw one); the flag code is the same for both ops. GDN's raw overlapped path
         # (OVERLAP_RAW): phase 1's raw build with three CTAs per SM, the raw state pass with three ring stages.

@@ -19,6 +19,9 @@ us, the state pass per chunk along the serial chain, FLA, ours fused (default sc
     python3 scripts/time_two_phase.py fold       # GDN's terms w, u vs GDN_FOLD's W2, A1: phase 1 alone, then the op
     python3 scripts/time_two_phase.py fold-chain # the state pass on w, u vs GDN_FOLD's terms: time, profile phases
     python3 scripts/time_two_phase.py pair-auto  # multi-wave state passes: one-block vs `pair` tiles, then the op
+    python3 scripts/time_two_phase.py lookback   # the segmented state pass in one launch vs the split launches
+    python3 scripts/time_two_phase.py one-pass   # split / look-back / one-pass / early-correction state passes, the op
+    python3 scripts/time_two_phase.py kda-fold   # KDA's terms w, u vs KDA_FOLD's exp(G) k, W2, A1: phase 1, the op
 """
 
 import dataclasses
@@ -635,6 +638,16 @@ def time_fold():
     op_ab(["gdn"], cells, "GDN_FOLD", ("w, u", "fold"))
 
 
+def time_kda_fold():
+    """KDA's phase 1 writing w, u, kg, Aqk against KDA_FOLD's exp(G) k, W2 and A1 (no v load, no u; graph replay,
+    the plan's own tiles), then the op beside FLA under both. KDA_FOLD_CELLS="B,H,T;..." picks the cells;
+    FOLD_PREP=0 skips phase 1 alone."""
+    cells = env_cells("KDA_FOLD_CELLS", "16,64,4096;8,32,4096;2,16,8192;1,4,16384")
+    if os.environ.get("FOLD_PREP", "1") == "1":
+        prep_ab("kda", cells, "KDA_FOLD", ("w, u", "fold"))
+    op_ab(["kda"], cells, "KDA_FOLD", ("w, u", "fold"))
+
+
 def time_fold_chain():
     """GDN's raw state pass reading w, u against GDN_FOLD's (k, v, W2, A1): unsplit forward, plain
     build time (graph replay, us per chunk per CTA) and the profile build's cycles per chunk by phase, with o stored
@@ -667,7 +680,7 @@ def time_fold_chain():
                       f"v_new {cyc[2]:.0f}, issue 2+o {cyc[3]:.0f}, update wait {cyc[4]:.0f}", flush=True)
 
 
-MODES = {"one-pass": time_one_pass, "lookback": time_lookback, "pair-auto": time_pair_auto, "fold-chain": time_fold_chain, "fold": time_fold, "balance": time_balance, "solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+MODES = {"kda-fold": time_kda_fold, "one-pass": time_one_pass, "lookback": time_lookback, "pair-auto": time_pair_auto, "fold-chain": time_fold_chain, "fold": time_fold, "balance": time_balance, "solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}
 
 

@@ -287,6 +287,62 @@ def test_kda_prep_forms_on_fast_and_exact_chunks(form, B, T, H, monkeypatch):
 
 
 @requires_sm90
+@pytest.mark.parametrize("tma_out", [True, False])
+@pytest.mark.parametrize("B,T,H", [(1, 512, 2), (2, 1000, 3), (1, 4096, 4)])
+def test_kda_prep_fold_matches_torch_prep(tma_out, B, T, H, monkeypatch):
+    """KDA_FOLD's phase 1 (row-anchored, terms stored by TMA or by threads): qg, exp(G) k (w), W2 (kg), A1 (aqk)
+    and eg against the torch spec, on tiles mixing fast-path chunks with exact-path ones (every other chunk:
+    channel 5 decays by -6 per step) and partial last chunks; NaN-poisoned outputs, run-to-run bitwise; the
+    call's v stands in for u, unwritten."""
+    monkeypatch.setattr(two_phase, "KDA_FOLD", True)
+    monkeypatch.setattr(two_phase, "PREP_TMA_OUT", tma_out)
+    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
+    gen = torch.Generator().manual_seed(500 + B * T + H)
+    q, k, v, g, beta, _ = make(B, T, H, True, gen, dtype=torch.bfloat16, device="cuda")
+    strong = (torch.arange(T, device="cuda") // 64) % 2 == 1
+    g[:, strong, :, 5] = -6.0
+    v_before = v.clone()
+    want = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=True, fold=True)
+    for chunks_per_tile in (1, 2):
+        got = two_phase.chunk_prep(q, k, v, g, beta, kda=True, chunks_per_tile=chunks_per_tile)
+        again = two_phase.chunk_prep(q, k, v, g, beta, kda=True, chunks_per_tile=chunks_per_tile)
+        assert got.fold and got.kda and not got.raw and got.u is v and torch.equal(v, v_before)
+        for name in ("qg", "w", "kg", "aqk"):
+            x, y = getattr(got, name), getattr(want, name)
+            assert not x.isnan().any(), name
+            assert rel_err(x, y) <= 1e-2, (name, chunks_per_tile, rel_err(x, y))
+            assert torch.equal(x, getattr(again, name)), f"{name}: run-to-run difference"
+        rows = chunk_last_rows(T, B).cuda()
+        assert rel_err(got.eg.flatten(0, 1)[rows], want.eg.flatten(0, 1)[rows]) <= 1e-5
+
+
+@requires_sm90
+@pytest.mark.parametrize("B,T,H,with_init,N", [(2, 1000, 3, True, 1), (1, 4096, 4, False, 1), (2, 1000, 3, True, 3),
+                                               (1, 4096, 4, True, 8)])
+def test_two_phase_kda_fold_matches_reference(B, T, H, with_init, N, monkeypatch):
+    """KDA_FOLD's two phases (phase 1's fold terms through the plain KDA state pass; summary and segment-output
+    modes with N > 1) against the float64 reference: NaN-poisoned terms and summaries, run-to-run bitwise, and
+    within 1.5x the error of the plain terms' path on the same inputs."""
+    monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
+    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
+    gen = torch.Generator().manual_seed(600 + B * T + H + N)
+    q, k, v, g, beta, init = make(B, T, H, True, gen, dtype=torch.bfloat16, device="cuda")
+    init = init if with_init else None
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
+    err = {}
+    for fold in (False, True):
+        monkeypatch.setattr(two_phase, "KDA_FOLD", fold)
+        run = lambda: two_phase.chunk_gated_delta_rule_two_phase(   # noqa: E731
+            q, k, v, g, beta, initial_state=init, output_final_state=True, kda=True, num_segments=N)
+        o, s = run()
+        o2, s2 = run()
+        assert not o.isnan().any() and not s.isnan().any(), fold
+        assert torch.equal(o, o2) and torch.equal(s, s2), f"run-to-run difference (fold {fold})"
+        err[fold] = max(rel_err(o, want_o), rel_err(s, want_s))
+    assert err[True] <= 5e-3 and err[True] <= 1.5 * err[False] + 1e-4, err
+
+
+@requires_sm90
 @pytest.mark.parametrize("B,T,H", [(1, 64, 1), (2, 1000, 3), (1, 4096, 4), (8, 1024, 8)])   # the last: trio
 @pytest.mark.parametrize("chunks_per_tile", [1, 2, None])
 def test_prep_fold_matches_torch_prep(B, T, H, chunks_per_tile, monkeypatch):
@@ -674,17 +730,20 @@ class CorrectionEmulator:
 def emulated_state_pass(monkeypatch):
     import cute_kernels.ops.merge as merge_ops
 
-    class Calls(list):   # the modes compiled, in order; `pairs`: whether each was a `pair` build
+    class Calls(list):   # the modes compiled, in order; `pairs`: whether each was a `pair` build; `folds`: fold
         pairs: list
+        folds: list
 
     calls = Calls()
     calls.pairs = []
+    calls.folds = []
 
     def fake_compile(io_dtype, kda, has_initial_state, store_final_state, mode="forward", dump_dir=None,
                      raw_qk=False, fold=False, pair=None, summary_o=False, **build):
         pair = two_phase.state_pair() if pair is None else pair
         calls.append(mode + ("_o" if summary_o else ""))
         calls.pairs.append(pair)
+        calls.folds.append(fold)
         return StatePassEmulator(kda, has_initial_state, store_final_state, mode, fold, pair, summary_o)
 
     def fake_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_only=False):
@@ -821,9 +880,10 @@ class PrepEmulator:
                 last = torch.tensor([min(t - t % 64 + 63, e - a - 1) for t in range(e - a)])
                 fourth = eG if self.fold else torch.zeros_like(eG)
                 eg[b, a:e] = torch.stack([scale * eG, eG[last] / eG, eG[last], fourth], -1)
-            else:
+            else:   # (KDA's fold: u is the call's v, never written)
                 for name, dst in (("qg", qg), ("w", w), ("u", u), ("kg", kg), ("aqk", aqk), ("eg", eg)):
-                    dst[b:b + 1, a:e] = getattr(p, name)
+                    if not (self.fold and name == "u"):
+                        dst[b:b + 1, a:e] = getattr(p, name)
 
 
 @pytest.mark.parametrize("kda", [False, True])
@@ -872,6 +932,46 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segm
         assert ("look-back chain" in la.last_plan()) == (state == "lookback"), la.last_plan()
         assert ("one pass" in la.last_plan()) == state.startswith("one_pass"), la.last_plan()
         assert ("early correction" in la.last_plan()) == (state == "one_pass_early"), la.last_plan()
+    assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2, (rel_err(o, want_o), rel_err(s, want_s))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("segments", [None, 4])
+def test_kda_fold_op_wiring(emulated_state_pass, monkeypatch, varlen, segments):
+    """chunk_kda with KDA_FOLD: phase 1 builds with `fold` (emulated: `chunk_prep_torch(kda=True, fold=True)`
+    into qg, w = exp(G) k, kg = W2, aqk = A1, u never written), the terms carry the call's v as u, and the state
+    pass runs its plain (not GDN's fold) build; o and the final state equal the reference."""
+    import cute_kernels.ops.linear_attention as la
+    import cute_kernels.runtime.arch as arch
+    from schedulers import SegmentScheduler
+
+    monkeypatch.setattr(la, "TWO_PHASE", True)
+    monkeypatch.setattr(two_phase, "KDA_FOLD", True)
+    monkeypatch.setattr(la, "check_cuda", lambda **kw: torch.device("cpu"))
+    monkeypatch.setattr(la, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
+    la._two_phase_plans.clear()
+    cu = (0, 100, 100, 1000, 1300) if varlen else None
+    folds = []
+
+    def prep_compile(io, bt, kda, **kw):
+        folds.append(kw.get("fold"))
+        return PrepEmulator(kda, cu, kw.get("fold"))
+
+    monkeypatch.setattr(two_phase, "compile_chunk_prep", prep_compile)
+    gen = torch.Generator().manual_seed(29 + 2 * varlen)
+    B, T = (1, 1300) if varlen else (2, 700)
+    q, k, v, g, beta, _ = make(B, T, 2, True, gen, dtype=torch.bfloat16)
+    init = torch.randn(4 if varlen else B, 2, 128, 128, generator=gen) * 0.1
+    cut = torch.tensor(cu) if varlen else None
+    v_before = v.clone()
+    sched = None if segments is None else SegmentScheduler(num_segments=segments)
+    o, s = la.chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cut,
+                        scheduler=sched)
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                                   cu_seqlens=cut)
+    assert folds == [True] and torch.equal(v, v_before)
+    assert not any(emulated_state_pass.folds), "KDA's fold terms run the plain state pass"
     assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2, (rel_err(o, want_o), rel_err(s, want_s))
 
 

@@ -38,8 +38,9 @@ class PrepTerms:
     `fold` (GDN_FOLD): T is folded into the two products that read v_new = T R, R = v - diag(exp(G)) k S: w is the
     caller's k, u the caller's v, kg holds W2 = T^T kg (kg = exp(G_last - G) k, the plain term) and aqk holds
     A1 = Aqk T (rows as Aqk's); with `raw` eg's fourth factor is exp(G), and `gated()` keeps the fold (qg gated,
-    eg = exp(G) on every row). KDA's fold (the torch spec only, no kernel yet): w holds exp(G) k (per channel),
-    and the plain state pass runs it unchanged, R = v - (exp(G) k) S standing in for v_new.
+    eg = exp(G) on every row). KDA's fold (KDA_FOLD): qg as plain, w holds exp(G) k (per channel), u the caller's
+    v, kg W2, aqk A1, eg as plain; the plain state pass runs it unchanged, R = v - (exp(G) k) S standing in for
+    v_new.
     """
 
     qg: torch.Tensor
@@ -154,10 +155,25 @@ PREP_TRIO = os.environ.get("CUTE_KERNELS_PREP_TRIO", "1") == "1"
 GDN_FOLD = os.environ.get("CUTE_KERNELS_GDN_FOLD", "1") == "1"
 
 
+# KDA's fold (`ChunkPrepSm90(fold=True)` on the row-anchored build): phase 1 writes qg, kE = exp(G) k (per channel),
+# W2 = T^T kg and A1 = Aqk T, loads no v and forms no u; the plain KDA state pass reads them with the call's v as u
+# (R = v - kE S for v_new). Per chunk and head 32 KB fewer through global memory and half a 64 x 64 x 128 product.
+# Written in session 24 without a GPU (compiled; its torch spec `chunk_prep_torch(kda=True, fold=True)` is CPU-tested
+# through the state pass): off until measured (tests/test_two_phase.py -k kda_fold, scripts/time_two_phase.py
+# kda-fold). Prediction: phase 1 -3..-8% where it is not instruction-bound (GDN's fold: -7..-10% at B*H <= 32, 0 at
+# B=16 H=64), the op -1..-3%. CUTE_KERNELS_KDA_FOLD=1.
+KDA_FOLD = os.environ.get("CUTE_KERNELS_KDA_FOLD", "0") == "1"
+
+
 def fold_path(kda: bool) -> bool:
-    """Whether the two-phase path runs GDN_FOLD's kernels (GDN_RAW_QK's, with T folded in): only with the state
-    pass build the fold was run with on the H200 (two ring stages, o from registers, u by the swizzled reads);
-    STATE_STAGES = 3, STATE_O_TMA or STATE_U_FAST keep w and u until their fold builds have run on a GPU."""
+    """Whether the two-phase path runs the fold's phase 1. GDN (GDN_FOLD, GDN_RAW_QK's kernels with T folded in):
+    only with the state pass build the fold was run with on the H200 (two ring stages, o from registers, u by the
+    swizzled reads); STATE_STAGES = 3, STATE_O_TMA or STATE_U_FAST keep w and u until their fold builds have run
+    on a GPU. KDA (KDA_FOLD): the row-anchored phase 1 (its state pass is the plain one)."""
+    if kda:
+        from . import linear_attention as la
+
+        return KDA_FOLD and KDA_ROW_ANCHORS and la.KDA_VEC
     return (GDN_FOLD and raw_qk_path(kda) and STATE_STAGES == 2 and not STATE_O_TMA and not STATE_U_FAST)
 
 # Phase 1's solve with its doubling levels as tf32 tensor-core products (`ChunkPrepSm90(solve_mma=True)`: warp-level
@@ -256,7 +272,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     PREP_TRIO (with `raw_qk`; not by default with `publish`), `solve_mma` to PREP_SOLVE_MMA (with `slim` or
     `row_anchors`). `publish`: the overlapped path's build (persistent grid, per-chunk flags; see `OverlapPlan`);
     `secondary`: launched as the state pass's programmatic dependent (GDN's raw overlapped path); `fold`: GDN_FOLD's
-    terms (with `raw_qk`)."""
+    terms (with `raw_qk`) or KDA_FOLD's (with `row_anchors`)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
     from . import linear_attention as la
 
@@ -379,10 +395,10 @@ _plans: dict = {}
 
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
-    PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the STATE_* switches of the state
+    PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the STATE_* switches of the state
     pass, the affine-merge variant setting, OVERLAP_RAW)."""
-    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, PREP_TRIO, PREP_SOLVE_MMA,
-            PREP_BALANCE,
+    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, PREP_TRIO,
+            PREP_SOLVE_MMA, PREP_BALANCE,
             OVERLAP_RAW, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL,
             _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
@@ -395,8 +411,13 @@ def _cached_plan(cls, *key):
 
 def allocate_terms(B, T, H, kda: bool, dtype, device, raw: bool = False, fold: bool = False) -> PrepTerms:
     """Fresh (uninitialized) phase-1 terms of a [B, T, H, 128] call (`raw`: no qg, kg -- None until the call's q, k
-    take their places; `fold`: W2 in kg, A1 in aqk, no w, u -- the call's k and v)."""
+    take their places; `fold`: W2 in kg, A1 in aqk, no w, u -- the call's k and v; KDA's fold: qg, exp(G) k in w,
+    W2 in kg, A1 in aqk, no u -- the call's v)."""
     aqk = torch.empty((B, T, H, C), dtype=dtype, device=device)
+    if fold and kda:   # qg, kE (w), W2 (kg); u is the call's v
+        qg, ke, w2 = torch.empty((3, B, T, H, 128), dtype=dtype, device=device).unbind(0)
+        eg = torch.empty((B, T, H, 128), dtype=torch.float32, device=device)
+        return PrepTerms(qg, ke, None, w2, aqk, eg, kda, fold=True)
     if fold:
         w2 = torch.empty((B, T, H, 128), dtype=dtype, device=device)
         eg = torch.empty((B, T, H, 4), dtype=torch.float32, device=device)
@@ -437,7 +458,8 @@ class PrepPlan:
         self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0])
         self.flag_args = no_flags(device)
         wide, eg_floats = (2, 4) if self.raw else (4, 128 if kda else 1)
-        wide = 1 if self.fold else wide   # fold: W2 only
+        if self.fold:
+            wide = 3 if kda else 1   # GDN's fold: W2 only; KDA's: qg, kE, W2
         self.term_bytes = B * T * H * (wide * 128 * io.itemsize + C * io.itemsize + eg_floats * 4)
 
     def allocate(self, dtype) -> PrepTerms:
@@ -466,14 +488,18 @@ class PrepPlan:
         """Phase 1 into fresh terms, or (`reuse`: the op's own calls, whose terms die with the call) into
         `terms`'s workspace."""
         t = self.terms(q.dtype) if reuse else self.allocate(q.dtype)
-        if self.fold:   # the state pass reads q, k and v (the kernel writes none of them; W2 leaves by its w output)
+        if self.fold and self.kda:   # the state pass reads v as u (the kernel's u argument: never written)
+            t = PrepTerms(t.qg, t.w, v, t.kg, t.aqk, t.eg, True, False, True)
+        elif self.fold:   # the state pass reads q, k and v (the kernel writes none of them; W2 leaves by its w output)
             t = PrepTerms(q, k, v, t.kg, t.aqk, t.eg, t.kda, True, True)
         elif self.raw:   # the state pass reads q and k (the kernel writes neither); a plain constructor call, not
             # dataclasses.replace: this runs on every call of the op
             t = PrepTerms(q, t.w, t.u, k, t.aqk, t.eg, t.kda, True)
-        outs = (q, t.kg, v, k) if self.fold else (t.qg, t.w, t.u, t.kg)   # the kernel's qg, w, u, kg arguments
+        # the kernel's qg, w, u, kg arguments
+        outs = (q, t.kg, v, k) if self.fold and not self.kda else (t.qg, t.w, t.u, t.kg)
         if _POISON_PREP:   # tests: every element the state pass reads must have been written
-            written = ((t.kg, t.aqk, t.eg) if self.fold
+            written = ((t.kg, t.aqk, t.eg) if self.fold and not self.kda
+                       else (t.qg, t.w, t.kg, t.aqk, t.eg) if self.fold
                        else (t.w, t.u, t.aqk, t.eg) + (() if self.raw else (t.qg, t.kg)))
             for x in written:
                 x.fill_(float("nan"))
@@ -874,6 +900,7 @@ def state_plan(B, T, H, cu, kda, io, init, final, num_segments, device, raw: boo
     (None: `fold_path(kda)`) for GDN_FOLD's."""
     raw = raw_qk_path(kda) if raw is None else raw
     fold = fold_path(kda) if fold is None else fold
+    fold = fold and not kda   # KDA's fold terms (exp(G) k in w, v in u, W2, A1) run the plain state pass
     return _cached_plan(StatePlan, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold,
                         STATE_LOOKBACK, STATE_ONE_PASS, STATE_EARLY_CORRECTION)
 

@@ -53,6 +53,12 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     j: columns [64 j, 64 j + 64), into the w output) and A1 = Aqk Xv (consumer 0, into the aqk output, instead of
     Aqk); eg's fourth factor is 2^G_r. `ChunkStatePassSm90(fold=True)` reads them with q, k and v. Per chunk and
     head, 16 KB read (v) and 16 KB written (u) fewer.
+    KDA's `fold` (with `row_anchors`): v is not loaded and u not formed; step 3 forms W2 = Xv^T kg (T = Xv = X
+    diag(beta); kg: the k tile as step 1 gated it, consumer j's columns) and A1 = Aqk Xv (consumer 0), and the
+    outputs are qg, kE = k 2^G (the kb tile, per channel: no row factor can stand in for it) by the w output, W2 by
+    the kg output and A1 by the aqk output; eg as before. The plain KDA state pass reads them unchanged, with the
+    call's v as u: R = v - kE S stands in for v_new, o += A1 R, S += W2^T R. Per chunk and head 16 KB read and
+    16 KB written fewer, and half a product (A1's 64 x 64 x 64 instead of u's 64 x 64 x 128).
 
     `pdl`: every CTA starts with `griddepcontrol.launch_dependents`, so a state pass launched with PDL starts its
     prologue once this grid's last wave has begun (it waits for the whole grid before reading the terms).
@@ -120,8 +126,8 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         if trio and not raw_qk:
             raise ValueError("ChunkPrepSm90: trio (three CTAs per SM) is the raw_qk build's")
         self.trio = trio
-        if fold and (not raw_qk or publish):
-            raise ValueError("ChunkPrepSm90: fold is the raw_qk build's, without publish")
+        if fold and (not (raw_qk or row_anchors) or publish):
+            raise ValueError("ChunkPrepSm90: fold is the raw_qk (GDN) or row-anchored (KDA) build's, without publish")
         self.fold = fold
         if fold:
             self.load_v = False
@@ -546,13 +552,25 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                 # -- 2. X = (I + Akk)^-1 -> Xv = X diag(beta), GDN: Xk = X diag(beta 2^G)
                 # the profile build stamps the solve's levels (`solve_stamp` is a no-op without `prof`)
                 self.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG, prof if self.profile else None,
-                                   sEGL if self.fold else None)
+                                   sEGL if self.fold and not kda else None)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 self.stamp(prof, 4)
 
                 # -- 3. w and u, V columns [v0, v0 + 64) of this consumer -> smem (fold: W2's columns, and A1)
-                if cutlass.const_expr(self.fold):
+                if cutlass.const_expr(self.fold and kda):
+                    # W2 = Xv^T kg (kg: the k tile as step 1 gated it) into w's staging, A1 = Aqk Xv into u's
+                    sXv_t = self.view(st.sXv, C, C, 1, True)[None, None, 0]   # (i, r): Xv^T
+                    self.gemm(wtid, acc, sXv_t, cute.local_tile(sK_mn[None, None, stage], (HALF, C), (j, 0)),
+                              True, True, False)
+                    self.store_acc(wtid, mma64, acc, sW_j)
+                    if j == 0:
+                        self.gemm(wtid, acc, sAqk, sXv_t, False, True, False)
+                        self.store_acc(wtid, mma64, acc, sU_j)
+                    if cutlass.const_expr(self.tma_out):
+                        cute.arch.fence_proxy("async.shared", space="cta")   # W2, A1 -> the TMA stores' reads
+                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                elif cutlass.const_expr(self.fold):
                     sXf_t = self.view(st.sXk, C, C, 1, True)[None, None, 0]   # (i, r): Xf^T
                     self.gemm(wtid, acc, sXf_t, cute.local_tile(sK_mn[None, None, stage], (HALF, C), (j, 0)),
                               True, True, False)
@@ -587,8 +605,15 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                         q_store_scale = scale
                         if fast:
                             q_store_scale = Float32(1.0)   # the factor pass scaled q
-                        self.store_terms(j, ctid, wtid, L, stage, sQ, sK, sW_j, sU_j, sAqk, sEG, sEGL, mQg, mW, mU,
-                                         mKg, mA, t0, head, v0, q_store_scale, scale)
+                        if cutlass.const_expr(self.fold):
+                            self.store_fold_terms(j, ctid, wtid, L, stage, sQ, sW_j, sU_j, st, mQg, mW, mKg, mA, t0,
+                                                  head, v0, q_store_scale)
+                        else:
+                            self.store_terms(j, ctid, wtid, L, stage, sQ, sK, sW_j, sU_j, sAqk, sEG, sEGL, mQg, mW,
+                                             mU, mKg, mA, t0, head, v0, q_store_scale, scale)
+                elif cutlass.const_expr(self.fold and kda):   # (without tma_out the factor pass leaves q unscaled)
+                    self.store_fold_terms(j, ctid, wtid, L, stage, sQ, sW_j, sU_j, st, mQg, mW, mKg, mA, t0, head,
+                                          v0, scale)
                 elif cutlass.const_expr(self.fold):
                     self.store_rows(wtid, sW_j, mW, t0, head, v0, L)
                     if j == 0:
@@ -667,6 +692,19 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             self.store_scaled_rows(ctid, L, sK[None, None, stage], mKg, t0, head, scale, sEGL, False)
 
     @cute.jit
+    def store_fold_terms(self, j, ctid, wtid, L, stage, sQ, sW_j, sU_j, st, mQg, mW, mKg, mA, t0, head, v0,
+                         q_scale):
+        """KDA's `fold`, step 4 by the consumer threads (rows < L): qg (q_scale x the q tile), kE (the kb tile)
+        by the w output, W2 (this consumer's 64 columns, staged in w's place) by the kg output, A1 (consumer 0,
+        staged in u's place) by the aqk output."""
+        self.store_rows(wtid, sW_j, mKg, t0, head, v0, L)
+        if j == 0:
+            self.store_rows(wtid, sU_j, mA, t0, head, 0, L)
+        self.store_scaled_rows(ctid, L, sQ[None, None, stage], mQg, t0, head, q_scale, None, True)
+        self.store_scaled_rows(ctid, L, self.view(st.sKb, C, 128)[None, None, 0], mW, t0, head, Float32(1.0), None,
+                               False)
+
+    @cute.jit
     def store_terms_tma(self, tma_outs, stage, st, t0, head):
         """`tma_out`, consumer thread 0: the full chunk's qg and kg (the stage's q / k tiles: one bulk group), then
         w, u (two halves) and Aqk (a second group) by TMA stores; returns once the first group has read shared
@@ -680,6 +718,13 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                         (tma_u, mUT, self.view(st.sVnew, C, HALF, 2), 0, HALF, 0),
                         (tma_u, mUT, self.view(st.sVnew, C, HALF, 2), 1, HALF, 1),
                         (tma_a, mAT, self.view(st.sAqk, C, C), 0, C, 0))
+        if cutlass.const_expr(self.fold):
+            # KDA's fold: qg from the stage; kE (the kb tile) by the w output, W2 (staged in w's place) by the kg
+            # output, A1 (staged in u's first half) by the aqk output
+            stage_jobs = ((tma_qg, mQgT, self.view(st.sQ, C, 128, ns), stage, 128, 0),)
+            staging_jobs = ((tma_w, mWT, self.view(st.sKb, C, 128), 0, 128, 0),
+                            (tma_kg, mKgT, self.view(st.sNegW, C, 128), 0, 128, 0),
+                            (tma_a, mAT, self.view(st.sVnew, C, HALF, 2), 0, C, 0))
         for jobs in (stage_jobs, staging_jobs):
             for atom, mT, sT, idx, cols, col_tile in jobs:
                 g_tile = cute.local_tile(cute.domain_offset((t0, 0), mT[None, None, head]), (C, cols),

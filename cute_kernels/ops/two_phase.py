@@ -769,7 +769,8 @@ class StatePlan:
     """Phase 2 of one configuration (segment counts, initial state or not, final state or not), built once: the
     compiled kernels (forward, or summary + segment outputs, or with STATE_LOOKBACK the one-launch segmented
     build), the tile tables on the device. `run` launches them (no checks: the caller has validated its tensors).
-    The lookback build's flags and workspace belong to the plan: a plan must not run on two streams at once."""
+    The lookback build's flags and workspace, and the early correction's counts (STATE_EARLY_CORRECTION), belong
+    to the plan: a plan must not run on two streams at once."""
 
     def __init__(self, B, T, H, cu, kda, io, init, final, num_segments, device, raw, fold=False, lookback=False,
                  one_pass=False, early=False):
@@ -818,6 +819,9 @@ class StatePlan:
 
         lb = lookback_schedule(_problem(B, T, H, cu, num_blocks=2), segmentation, init, m_blocks=2)
         slots = segmentation.total_segments
+        # the kernel's assumptions: one CTA per ticket (the last draw resets the counter), a summary count of 1 +
+        # 2 M blocks per V block, 32-bit workspace offsets (slots x H x 2^15 floats per part)
+        assert lb.grid[0] == lb.num_tiles and slots * H < (1 << 15), (lb.grid, lb.num_tiles, slots, H)
         self.lookback, self.init, self.device, self.split, self.pair = True, init, device, True, False
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
         self.fn = compile_state_pass(io, kda, init, final, mode="lookback", rs=True, num_stages=2, ring_decay=True,

@@ -475,23 +475,34 @@ class ChunkStatePassSm90:
 
     @cute.jit
     def load_link(self, work, blk, n_vb, link, lane, mFlags, num_heads):
-        """`lookback`, producer warp, output tile in V block `blk`: unless the tile's segment is its sequence's
-        last (no link) or the first without an initial state (end = h_ext, no M), spin (lane 0, gpu-scope acquire
-        loads) until every M block of the segment's summary and its h_ext block have published, order the TMA
-        after that (proxy fence), and load M's hi and lo tiles into sMhi / sMlo, landing on `link_mbar`. The
-        consumer, which waits on that barrier, clears the count."""
+        """`lookback`, producer warp, output tile in V block `blk` that makes a link (its segment is not its
+        sequence's last): spin (lane 0, gpu-scope acquire loads, bounded: `spin.wait_at_least`) until the
+        segment's summary has published -- its h_ext block, and every M block unless the segment is the first
+        without an initial state (end = h_ext, no M) --, then, with M, order the TMA after that (proxy fence) and
+        load M's hi and lo tiles into sMhi / sMlo, landing on `link_mbar`; without M just arrive on `link_mbar`.
+        The consumer waits on that barrier before its own (then immediate) look at the count, which it clears."""
         tma_m, mM, st = link
         needs_m = work.segment > 0
         if cutlass.const_expr(self.has_initial_state):
             needs_m = True
+        if not work.is_last_segment:
+            slot = work.seg_slot
+            head = work.head
+            slots = mM.shape[0] // (2 * num_heads * K_DIM)
+            need = Int32(1)
+            if needs_m:
+                need = Int32(1 + K_DIM // V_BLOCK)
+            if lane == 0:
+                wait_at_least(mFlags.iterator + lb_flag(slot, head, blk, num_heads, n_vb, slots, False), need)
+            cute.arch.sync_warp()
+            bar = st.link_mbar.data_ptr()
+            if not needs_m:
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(bar)
         if not work.is_last_segment and needs_m:
             slot = work.seg_slot
             head = work.head
             slots = mM.shape[0] // (2 * num_heads * K_DIM)
-            if lane == 0:
-                ptr = mFlags.iterator + lb_flag(slot, head, blk, num_heads, n_vb, slots, False)
-                wait_at_least(ptr, Int32(1 + K_DIM // V_BLOCK))
-            cute.arch.sync_warp()
             cute.arch.fence_proxy("async.global")
             bar = st.link_mbar.data_ptr()
             if lane == 0:
@@ -653,17 +664,16 @@ class ChunkStatePassSm90:
                 needs_m = True
             nxt = cute.make_rmem_tensor_like(acc_s, Float32)   # the end state, from h_ext^T
             if link:
-                if needs_m:
-                    # M^T's hi / lo tiles landed -- and so the producer warp, which spins on the same summary
-                    # count before loading them, has seen it: only now may thread 0 clear it
-                    cute.arch.mbarrier_wait(st.link_mbar.data_ptr(), 0)
+                # the producer warp has seen the summary count (its bounded wait) and, with M, M^T's hi / lo tiles
+                # have landed: only now may thread 0 clear the count the producer spins on
+                cute.arch.mbarrier_wait(st.link_mbar.data_ptr(), 0)
                 if wtid == 0:
                     need = Int32(1)
                     if needs_m:
                         need = Int32(1 + K_DIM // V_BLOCK)
                     ptr = mFlags.iterator + lb_flag(slot, head, blk, num_heads, n_vb, slots, False)
                     seen = Int32(0)
-                    while seen < need:   # unbounded (a bound here spilled): with M the producer's bounded wait saw it
+                    while seen < need:   # unbounded (a bound here spilled), but the producer's bounded wait saw it
                         seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
                     cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")   # back to 0 for the next launch
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
@@ -728,6 +738,7 @@ class ChunkStatePassSm90:
                 hi = io(acc_s[i])
                 g_hi[vv, kk] = hi
                 g_lo[vv, kk] = io(acc_s[i] - Float32(hi))
+            cute.arch.fence_proxy("async.global")   # (the reader fences too) M^T is read by TMA
         else:
             self.store_fragment(acc_s, mWs, lb_fragment(0, slot, head, v0 // V_BLOCK, num_heads, n_vb, slots,
                                                         wtid))

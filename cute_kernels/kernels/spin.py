@@ -7,8 +7,8 @@ thread counts its acquire loads and executes `trap` after SPIN_LIMIT of them (se
 real wait in these kernels: those last at most one launch of the other grid), so the launch fails with an error
 instead ("unspecified launch failure"; the CUDA context is then unusable, as after any trap).
 Bounded: every wait of the early correction and of `consume`, the look-back's producer wait on a summary count and
-its consumer wait on the predecessor's end flag; its consumer's wait on a summary count stays unbounded (a
-counter there made ptxas spill), which with M the producer has already seen.
+its consumer wait on the predecessor's end flag. The look-back consumer's own look at the summary count stays a
+plain loop (a counter there made ptxas spill), but it comes after the producer's bounded wait on the same count.
 """
 
 from __future__ import annotations

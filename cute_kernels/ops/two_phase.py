@@ -892,7 +892,9 @@ class StatePlan:
         if _POISON_SUMMARIES:   # unwritten slots must stay unread
             summary.fill_(float("nan"))
         if self.summary_fn is not None:
-            self.summary_fn.fn(*terms, prep.u, summary, summary, *self.summary_launch)
+            # o stands in for the summary build's o (never written there; the output launch writes all of it) --
+            # not prep.u, which with a fold is the caller's v
+            self.summary_fn.fn(*terms, o, summary, summary, *self.summary_launch)
         starts = self.merge(summary[self.slots:], summary[:self.slots], initial_state)
         self.fn.fn(*terms, o, starts, dummy, *self.launch)
         return o, final

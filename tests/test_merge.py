@@ -19,6 +19,17 @@ def summaries(slots, H, K, V, device, gen):
     return M.float().to(device), h.float().to(device)
 
 
+def varlen_case(H, num_segments, with_init, gen, device):
+    """A varlen batch (sequences of 64, 4096, 700 and 0 tokens) cut into up to `num_segments` segments each: its
+    seg_offsets, slot count, sequence count, K = V = 128 summaries and initial state (or None)."""
+    problem = Problem.varlen([0, 64, 64 + 4096, 64 + 4096 + 700, 64 + 4096 + 700], num_heads=H)
+    sched = SegmentScheduler(num_segments=num_segments, min_chunks=1).schedule(problem)
+    slots, N = sched.segmentation.total_segments, problem.num_seqs
+    M, h = summaries(slots, H, 128, 128, device, gen)
+    init = torch.randn(N, H, 128, 128, generator=gen).to(device) if with_init else None
+    return sched.seg_offsets, slots, N, M, h, init
+
+
 # ---------------------------------------------------------------- CPU: bad input
 
 
@@ -93,13 +104,8 @@ def test_affine_merge_starts_only_never_reads_unneeded_summaries(with_init, impl
     unwritten: NaN there must not reach any start state."""
     monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", impl)
     gen = torch.Generator().manual_seed(31 + with_init)
-    dev = torch.device("cuda")
-    problem = Problem.varlen([0, 64, 64 + 4096, 64 + 4096 + 700, 64 + 4096 + 700], num_heads=2)
-    sched = SegmentScheduler(num_segments=7, min_chunks=1).schedule(problem)
-    offs = sched.seg_offsets
-    slots, N, H = sched.segmentation.total_segments, problem.num_seqs, 2
-    M, h = summaries(slots, H, 128, 128, dev, gen)
-    init = torch.randn(N, H, 128, 128, generator=gen).to(dev) if with_init else None
+    dev, H = torch.device("cuda"), 2
+    offs, slots, N, M, h, init = varlen_case(H, 7, with_init, gen, dev)
     want_starts, _ = ref.affine_merge(M.double(), h.double(), offs, None if init is None else init.double())
     for n in range(N):
         if offs[n + 1] > offs[n]:
@@ -125,13 +131,8 @@ def test_publishing_merge_counts_every_start_with_readers(with_init, impl, monke
     each head published once), every slot without readers 0, the readers untouched."""
     monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", impl)
     gen = torch.Generator().manual_seed(41 + with_init)
-    dev = torch.device("cuda")
-    problem = Problem.varlen([0, 64, 64 + 4096, 64 + 4096 + 700, 64 + 4096 + 700], num_heads=3)
-    sched = SegmentScheduler(num_segments=5, min_chunks=1).schedule(problem)
-    offs = sched.seg_offsets
-    slots, N, H = sched.segmentation.total_segments, problem.num_seqs, 3
-    M, h = summaries(slots, H, 128, 128, dev, gen)
-    init = torch.randn(N, H, 128, 128, generator=gen).to(dev) if with_init else None
+    dev, H = torch.device("cuda"), 3
+    offs, slots, N, M, h, init = varlen_case(H, 5, with_init, gen, dev)
     readers = torch.randint(0, 3, (slots,), generator=gen, dtype=torch.int32)
     flags = torch.cat([readers, torch.zeros(slots * H, dtype=torch.int32)]).to(dev)
     plain = merge_ops.affine_merge_starts_plan(N, H, slots, offs, with_init, dev, final=True)

@@ -317,32 +317,6 @@ def test_kda_prep_fold_matches_torch_prep(tma_out, B, T, H, monkeypatch):
 
 
 @requires_sm90
-@pytest.mark.parametrize("B,T,H,with_init,N", [(2, 1000, 3, True, 1), (1, 4096, 4, False, 1), (2, 1000, 3, True, 3),
-                                               (1, 4096, 4, True, 8)])
-def test_two_phase_kda_fold_matches_reference(B, T, H, with_init, N, monkeypatch):
-    """KDA_FOLD's two phases (phase 1's fold terms through the plain KDA state pass; summary and segment-output
-    modes with N > 1) against the float64 reference: NaN-poisoned terms and summaries, run-to-run bitwise, and
-    within 1.5x the error of the plain terms' path on the same inputs."""
-    monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
-    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
-    gen = torch.Generator().manual_seed(600 + B * T + H + N)
-    q, k, v, g, beta, init = make(B, T, H, True, gen, dtype=torch.bfloat16, device="cuda")
-    init = init if with_init else None
-    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
-    err = {}
-    for fold in (False, True):
-        monkeypatch.setattr(two_phase, "KDA_FOLD", fold)
-        run = lambda: two_phase.chunk_gated_delta_rule_two_phase(   # noqa: E731
-            q, k, v, g, beta, initial_state=init, output_final_state=True, kda=True, num_segments=N)
-        o, s = run()
-        o2, s2 = run()
-        assert not o.isnan().any() and not s.isnan().any(), fold
-        assert torch.equal(o, o2) and torch.equal(s, s2), f"run-to-run difference (fold {fold})"
-        err[fold] = max(rel_err(o, want_o), rel_err(s, want_s))
-    assert err[True] <= 5e-3 and err[True] <= 1.5 * err[False] + 1e-4, err
-
-
-@requires_sm90
 @pytest.mark.parametrize("B,T,H", [(1, 64, 1), (2, 1000, 3), (1, 4096, 4), (8, 1024, 8)])   # the last: trio
 @pytest.mark.parametrize("chunks_per_tile", [1, 2, None])
 def test_prep_fold_matches_torch_prep(B, T, H, chunks_per_tile, monkeypatch):
@@ -368,24 +342,29 @@ def test_prep_fold_matches_torch_prep(B, T, H, chunks_per_tile, monkeypatch):
 
 
 @requires_sm90
-@pytest.mark.parametrize("B,T,H,with_init,N", [(2, 1000, 3, True, 1), (1, 4096, 4, False, 1), (2, 1000, 3, True, 3),
-                                               (1, 4096, 4, True, 8), (1, 2048, 2, False, 32),
-                                               (4, 2048, 8, True, 1)])   # the last: trio, balanced tiles
-def test_two_phase_fold_matches_reference(B, T, H, with_init, N, monkeypatch):
-    """GDN_FOLD's two phases (the state pass reads k, v, W2, A1; summary and segment-output modes with N > 1)
-    against the float64 reference: NaN-poisoned terms and summaries, run-to-run bitwise, and within 1.5x the
-    error of the w / u terms' path on the same inputs."""
+@pytest.mark.parametrize("switch,B,T,H,with_init,N", [
+    ("GDN_FOLD", 2, 1000, 3, True, 1), ("GDN_FOLD", 1, 4096, 4, False, 1), ("GDN_FOLD", 2, 1000, 3, True, 3),
+    ("GDN_FOLD", 1, 4096, 4, True, 8), ("GDN_FOLD", 1, 2048, 2, False, 32),
+    ("GDN_FOLD", 4, 2048, 8, True, 1),   # trio, balanced tiles
+    ("KDA_FOLD", 2, 1000, 3, True, 1), ("KDA_FOLD", 1, 4096, 4, False, 1), ("KDA_FOLD", 2, 1000, 3, True, 3),
+    ("KDA_FOLD", 1, 4096, 4, True, 8)])
+def test_two_phase_fold_matches_reference(switch, B, T, H, with_init, N, monkeypatch):
+    """A fold's two phases against the float64 reference -- GDN_FOLD (the state pass reads k, v, W2, A1) and
+    KDA_FOLD (exp(G) k, v, W2, A1 through the plain KDA state pass); summary and segment-output modes with N > 1:
+    NaN-poisoned terms and summaries, run-to-run bitwise, and within 1.5x the error of the plain terms' path on
+    the same inputs."""
+    kda = switch == "KDA_FOLD"
     monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
     monkeypatch.setattr(two_phase, "_POISON_PREP", True)
-    gen = torch.Generator().manual_seed(400 + B * T + H + N)
-    q, k, v, g, beta, init = make(B, T, H, False, gen, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(400 + B * T + H + N + 200 * kda)
+    q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
     init = init if with_init else None
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
     err = {}
     for fold in (False, True):
-        monkeypatch.setattr(two_phase, "GDN_FOLD", fold)
+        monkeypatch.setattr(two_phase, switch, fold)
         run = lambda: two_phase.chunk_gated_delta_rule_two_phase(   # noqa: E731
-            q, k, v, g, beta, initial_state=init, output_final_state=True, kda=False, num_segments=N)
+            q, k, v, g, beta, initial_state=init, output_final_state=True, kda=kda, num_segments=N)
         o, s = run()
         o2, s2 = run()
         assert not o.isnan().any() and not s.isnan().any(), fold

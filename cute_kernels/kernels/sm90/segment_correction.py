@@ -35,7 +35,7 @@ class SegmentCorrectionSm90:
     - qm's [64 x 128] chunk tiles arrive by TMA in a `NUM_STAGES`-deep ring (thread 0 issues a stage once every
       thread has passed the barrier after the products that read it; full barriers: TMA transaction bytes).
     - Per chunk: acc = qm hi + qm lo (two 64 x 128 x 128 SS wgmma products, one wait), then rows < L of o are
-      read, added in fp32 and written back in 16-bit.
+      read, added in fp32 and written back in 16-bit, two adjacent columns (4 bytes) per access.
     `pdl`: launched with programmatic dependent launch right after the merge: barrier setup and the descriptor
     prefetch run under the merge's tail; every thread waits (`griddepcontrol.wait`) before reading anything.
     `early` (with a merge built with `publish`): no `griddepcontrol.wait`. The merge lets this grid launch as soon as
@@ -140,10 +140,16 @@ class SegmentCorrectionSm90:
             t0 = tok0 + c * C
             L = tok_end - t0
             gO = cute.domain_offset((t0, 0), mO[None, head, None])
-            for i in cutlass.range_constexpr(cute.size(acc)):
+            pair = cute.make_rmem_tensor((2,), io)
+            # the accumulator's values come in column pairs (v, v + 1) of one row: one 4-byte load and store each
+            for i in cutlass.range_constexpr(0, cute.size(acc), 2):
                 t, vv = cc[i]
                 if t < L:
-                    gO[t, vv] = io(Float32(gO[t, vv]) + acc[i])
+                    g2 = cute.local_tile(gO[t, None], (2,), (cute.assume(vv, divby=2) // 2,))
+                    cute.autovec_copy(g2, pair)
+                    pair[0] = io(Float32(pair[0]) + acc[i])
+                    pair[1] = io(Float32(pair[1]) + acc[i + 1])
+                    cute.autovec_copy(pair, g2)
         if cutlass.const_expr(self.early and self.pdl):
             bid, _, _ = cute.arch.block_idx()
             if bid == num_tiles - 1:

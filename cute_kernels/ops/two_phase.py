@@ -395,8 +395,8 @@ _plans: dict = {}
 
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
-    PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the STATE_* switches of the state
-    pass, the affine-merge variant setting, OVERLAP_RAW)."""
+    PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the STATE_* switches of
+    the state pass, the affine-merge variant setting, OVERLAP_RAW)."""
     full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, PREP_TRIO,
             PREP_SOLVE_MMA, PREP_BALANCE,
             OVERLAP_RAW, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL,
@@ -843,9 +843,8 @@ class StatePlan:
         problem = _problem(B, T, H, cu, num_blocks=4)   # 2 h_ext blocks, 2 M blocks
         summ = summary_schedule(problem, segmentation, init, h_blocks=2, last=True)
         corr = correction_schedule(_problem(B, T, H, cu), segmentation, init, CORRECTION_CHUNKS_PER_TILE)
-        slots = segmentation.total_segments
         self.one_pass, self.init, self.device, self.split, self.pair = True, init, device, True, False
-        self.slots = segmentation.total_segments
+        self.slots = slots = segmentation.total_segments
         self.summary_fn = compile_state_pass(io, kda, False, False, mode="summary", rs=True, num_stages=2,
                                              ring_decay=True, tma_o=False, u_fast=False, pair=False, raw_qk=raw,
                                              fold=fold, summary_o=True)

@@ -41,9 +41,9 @@ class SegmentCorrectionSm90:
     `early` (with a merge built with `publish`): no `griddepcontrol.wait`. The merge lets this grid launch as soon as
     all its CTAs have passed their own wait on the summary launch (`pdl_start`), so qm and o are complete when any
     CTA here starts, and the first qm tiles are loaded at once; each tile then waits only for its own segment's
-    start state. Thread 0 spins (gpu-scope acquire loads, `spin.wait_at_least`: bounded, it traps) until flags[slots + slot * H + head] reaches `writers`
-    (every merge CTA of the head has published), and after the split takes one count back: the last of the slot's
-    flags[slot] readers sets it to 0 for the next launch. No deadlock: every merge CTA holds an SM before any CTA
+    start state. Thread 0 spins (gpu-scope acquire loads, `spin.wait_at_least`: bounded, it traps) until
+    flags[slots + slot * H + head] reaches `writers` (every merge CTA of the head has published), and after the
+    split takes one count back: the last of the slot's flags[slot] readers sets it to 0 for the next launch. No deadlock: every merge CTA holds an SM before any CTA
     of this grid starts (programmatic launch, or stream order without it), and the merge waits on nothing here.
     So all corrections but the last segments' run under the merge's chain. The CTA of the table's last tile (a
     last segment's: the tiles are ordered by segment) waits for the merge grid (`griddepcontrol.wait`) before it

@@ -496,24 +496,20 @@ class ChunkStatePassSm90:
                 wait_at_least(mFlags.iterator + lb_flag(slot, head, blk, num_heads, n_vb, slots, False), need)
             cute.arch.sync_warp()
             bar = st.link_mbar.data_ptr()
-            if not needs_m:
+            if needs_m:
+                cute.arch.fence_proxy("async.global")
+                if lane == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * K_DIM * K_DIM * self.io_dtype.width // 8)
+                for part, field in ((0, st.sMhi), (1, st.sMlo)):
+                    s_m = wt.smem_view(field, self.io_dtype, K_DIM, K_DIM)
+                    g_tile = cute.local_tile(mM, (K_DIM, K_DIM), ((part * slots + slot) * num_heads + head, 0))
+                    s_part, g_part = cpasync.tma_partition(
+                        tma_m, 0, cute.make_layout(1), cute.group_modes(s_m, 0, 2), cute.group_modes(g_tile, 0, 2),
+                    )
+                    cute.copy(tma_m, g_part, s_part[(None, 0)], tma_bar_ptr=bar)
+            else:
                 if lane == 0:
                     cute.arch.mbarrier_arrive(bar)
-        if not work.is_last_segment and needs_m:
-            slot = work.seg_slot
-            head = work.head
-            slots = mM.shape[0] // (2 * num_heads * K_DIM)
-            cute.arch.fence_proxy("async.global")
-            bar = st.link_mbar.data_ptr()
-            if lane == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * K_DIM * K_DIM * self.io_dtype.width // 8)
-            for part, field in ((0, st.sMhi), (1, st.sMlo)):
-                s_m = wt.smem_view(field, self.io_dtype, K_DIM, K_DIM)
-                g_tile = cute.local_tile(mM, (K_DIM, K_DIM), ((part * slots + slot) * num_heads + head, 0))
-                s_part, g_part = cpasync.tma_partition(
-                    tma_m, 0, cute.make_layout(1), cute.group_modes(s_m, 0, 2), cute.group_modes(g_tile, 0, 2),
-                )
-                cute.copy(tma_m, g_part, s_part[(None, 0)], tma_bar_ptr=bar)
 
     @cute.jit
     def wait_published(self, mFlags, idx, stride, left, lane) -> Int32:

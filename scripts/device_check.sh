@@ -101,8 +101,8 @@ for stage in $stages; do
         timeout -s INT -k 10 $lim python3 -m pytest $file -q --tb=line -p no:cacheprovider -k "$k" 2>&1 | tee -a "$out/pending_tests.log" | tail -4
         status=$((status | ${PIPESTATUS[0]}))
       done ;;
-    pending-time)   # the state-pass builds side by side (split / look-back / one-pass / early) on two cells, then the op beside FLA (FLA autotunes each new shape: ~35 s)
-      ONE_PASS_CELLS=${ONE_PASS_CELLS:-"1,4,16384;1,8,8192"} ONE_PASS_SEGMENTS=${ONE_PASS_SEGMENTS:-"8"} timeout -s INT -k 20 ${PENDING_TIME_S:-540} python3 scripts/time_two_phase.py one-pass 2>&1 | tee "$out/pending_time.log" | grep -v Warn
+    pending-time)   # the state-pass builds side by side (split / look-back / one-pass / early) on one cell (ONE_PASS_CELLS adds more; each build compiles first, ~15 s, and FLA autotunes each new shape, ~35 s), then the op beside FLA
+      ONE_PASS_CELLS=${ONE_PASS_CELLS:-"1,4,16384"} ONE_PASS_SEGMENTS=${ONE_PASS_SEGMENTS:-"8"} timeout -s INT -k 20 ${PENDING_TIME_S:-540} python3 scripts/time_two_phase.py one-pass 2>&1 | tee "$out/pending_time.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
     pair-auto)   # STATE_PAIR "auto" with the fold's terms: GPU tests, then its time on multi-wave cells beside FLA
       timeout -s INT -k 10 ${PAIR_TEST_S:-150} python3 -m pytest tests/test_two_phase.py -q --tb=short -p no:cacheprovider -k "pair_state_pass or (two_phase_matches_reference and rs-pair)" 2>&1 | tee "$out/pair_auto_tests.log" | tail -6

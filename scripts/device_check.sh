@@ -15,6 +15,20 @@ status=0
 # sweep writes the cells it measured; SIGKILL 20 s later).
 t=${STAGE_TIMEOUT:-300}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv,noheader | tee "$out/gpu.txt"
+# CK_AOT=1: compiled kernels on disk (cute_kernels/runtime/aot.py) in ./.aot, so every process of this call -- and
+# of the next calls while the machine stays warm (ignored outputs are kept) -- compiles each kernel once. (.aot
+# could also be filled on the CPU machine with `CUTE_KERNELS_AOT_DIR=.aot CUTE_KERNELS_AOT_WRITE=1 python -m
+# cute_kernels compile --arch sm_90a`, but the carried tree is limited to 64 MiB and .wheelhouse/b takes 53.) Used
+# only after its GPU test (a loaded kernel bitwise equal to the JIT one) passes here.
+if [ "${CK_AOT:-0}" = 1 ]; then
+  if timeout -s INT -k 10 120 python3 -m pytest tests/test_aot.py -q -p no:cacheprovider -k equals_jit 2>&1 | tail -2 | tee "$out/aot_check.log" | grep -q "1 passed"; then
+    export CUTE_KERNELS_AOT_DIR=$PWD/.aot CUTE_KERNELS_AOT_WRITE=1
+    mkdir -p .aot
+    echo "AOT kernels: $(ls .aot | wc -l) in .aot"
+  else
+    echo "AOT check failed: compiling every kernel"
+  fi
+fi
 for stage in $stages; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in

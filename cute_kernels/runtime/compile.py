@@ -4,7 +4,8 @@ Kernels are compiled against fake tensors, so compiling needs no GPU: dynamic si
 arguments of the compiled function, static ones are baked in. The compiled function takes torch tensors
 directly and launches on torch's current stream, so the host cost per call stays in microseconds.
 
-`CUTE_KERNELS_DUMP_DIR`, when set, keeps each compiled variant's PTX and cubin there.
+`CUTE_KERNELS_DUMP_DIR`, when set, keeps each compiled variant's PTX and cubin there. `CUTE_KERNELS_AOT_DIR`
+(`runtime/aot.py`) keeps compiled kernels on disk between processes and machines of the same arch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
+from . import aot
 from .arch import import_cutlass, target_arch
 
 _cache: dict = {}
@@ -80,14 +82,23 @@ def compile_kernel(key: tuple, build, dump_dir: str | None = None) -> Compiled:
     import_cutlass()
     import cutlass.cute as cute
 
+    dump_dir = dump_dir or os.environ.get("CUTE_KERNELS_DUMP_DIR")
+    if not dump_dir:   # (a dump wants the PTX and cubin files of a real compile)
+        fn = aot.load(full_key)
+        if fn is not None:
+            out = Compiled(fn)
+            with _lock:
+                _cache[full_key] = out
+            return out
+
     kernel, fake_args = build()
 
-    dump_dir = dump_dir or os.environ.get("CUTE_KERNELS_DUMP_DIR")
     options = "--enable-tvm-ffi"
     if dump_dir:
         dump_dir = tempfile.mkdtemp(prefix="variant_", dir=_makedirs(dump_dir))
         options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     fn = cute.compile(kernel, *fake_args, options=options)
+    aot.save(full_key, fn)
     out = Compiled(fn)
     if dump_dir:
         out.ptx_path = next(iter(sorted(glob.glob(os.path.join(dump_dir, "*.ptx")))), None)

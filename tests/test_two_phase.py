@@ -79,10 +79,17 @@ def test_fold_terms_match_reference(T):
 
 
 def test_fold_path_only_with_the_gpu_run_state_pass(monkeypatch):
-    """GDN_FOLD runs only with the state-pass build it was measured with on the H200 (and never for KDA)."""
-    for name, value in (("GDN_FOLD", True), ("STATE_STAGES", 2), ("STATE_O_TMA", False), ("STATE_U_FAST", False)):
+    """GDN_FOLD runs only with the state-pass build it was measured with on the H200; KDA's fold only with KDA_FOLD
+    and the row-anchored phase 1."""
+    for name, value in (("GDN_FOLD", True), ("STATE_STAGES", 2), ("STATE_O_TMA", False), ("STATE_U_FAST", False),
+                        ("KDA_FOLD", False), ("KDA_ROW_ANCHORS", True)):
         monkeypatch.setattr(two_phase, name, value)
     assert two_phase.fold_path(False) and not two_phase.fold_path(True)
+    with monkeypatch.context() as m:
+        m.setattr(two_phase, "KDA_FOLD", True)
+        assert two_phase.fold_path(True)
+        m.setattr(two_phase, "KDA_ROW_ANCHORS", False)
+        assert not two_phase.fold_path(True)
     for name, value in (("STATE_STAGES", 3), ("STATE_O_TMA", True), ("STATE_U_FAST", True), ("GDN_FOLD", False),
                         ("GDN_RAW_QK", False)):
         with monkeypatch.context() as m:

@@ -158,11 +158,11 @@ GDN_FOLD = os.environ.get("CUTE_KERNELS_GDN_FOLD", "1") == "1"
 # KDA's fold (`ChunkPrepSm90(fold=True)` on the row-anchored build): phase 1 writes qg, kE = exp(G) k (per channel),
 # W2 = T^T kg and A1 = Aqk T, loads no v and forms no u; the plain KDA state pass reads them with the call's v as u
 # (R = v - kE S for v_new). Per chunk and head 32 KB fewer through global memory and half a 64 x 64 x 128 product.
-# Written in session 24 without a GPU (compiled; its torch spec `chunk_prep_torch(kda=True, fold=True)` is CPU-tested
-# through the state pass): off until measured (tests/test_two_phase.py -k kda_fold, scripts/time_two_phase.py
-# kda-fold). Prediction: phase 1 -3..-8% where it is not instruction-bound (GDN's fold: -7..-10% at B*H <= 32, 0 at
-# B=16 H=64), the op -1..-3%. CUTE_KERNELS_KDA_FOLD=1.
-KDA_FOLD = os.environ.get("CUTE_KERNELS_KDA_FOLD", "0") == "1"
+# Written in session 24 without a GPU; run in session 25 on an H100 (GPU tests pass: phase 1 against the torch spec,
+# the op against the reference with 1, 3 and 8 segments). Phase 1 -14% (B=16 H=64 T=4096 5617 -> 4828 us) and -16%
+# (B=2 H=16 T=8192 379 -> 318 us); the op -10.5%, -8.4% and -7.4% (B=1 H=4 T=16384 203 -> 188 us), more than the
+# -1..-3% predicted. On by default; CUTE_KERNELS_KDA_FOLD=0 keeps w and u.
+KDA_FOLD = os.environ.get("CUTE_KERNELS_KDA_FOLD", "1") == "1"
 
 
 def fold_path(kda: bool) -> bool:
@@ -555,8 +555,8 @@ STATE_U_FAST = os.environ.get("CUTE_KERNELS_STATE_U_FAST", "0") == "1"
 # planner sends such calls down the two-phase path (B*H >= 128, T >= 4096), where the state pass is also bound by
 # its loads (GDN B=16 H=64 T=4096: ~1700 us for ~128 KB per chunk and head, 72 KB with `pair`).
 # "auto": `pair` for a state pass whose one-block output tiles take more than one wave of SMs, the one-block tiles
-# otherwise; "1": always; "0" (default until "auto" has been measured with GDN_RAW_QK / GDN_FOLD's terms: that
-# build compiles -- 168 registers at launch, no spills -- and its CPU emulation is tested, not yet run on a GPU).
+# otherwise; "1": always; "0" (default until "auto" has been timed with GDN_RAW_QK / GDN_FOLD's terms: that
+# build compiles -- 168 registers at launch, no spills -- and its GPU tests pass on an H100, session 25).
 STATE_PAIR = os.environ.get("CUTE_KERNELS_STATE_PAIR", "0")
 # Programmatic dependent launch between the two-phase kernels: phase 1 lets the state pass launch once its last
 # wave has started (`griddepcontrol.launch_dependents`), and the state pass / merge launches wait inside
@@ -568,21 +568,26 @@ PDL = os.environ.get("CUTE_KERNELS_PDL", "1") == "1"
 # The segmented state pass in one launch (`ChunkStatePassSm90` mode "lookback": ticketed tiles, summaries, the
 # chain of start states on tensor cores, outputs) instead of summary launch + affine merge + output launch. Written
 # in session 23 without a GPU (compiled, its protocol emulated on the CPU): off until its GPU test and timing have
-# run (tests/test_two_phase.py -k lookback, scripts/time_two_phase.py lookback). CUTE_KERNELS_STATE_LOOKBACK=1.
+# run (tests/test_two_phase.py -k lookback, scripts/time_two_phase.py lookback). Session 25, H100: its GPU tests pass
+# (bitwise equal to the split launches); not yet timed. CUTE_KERNELS_STATE_LOOKBACK=1.
 STATE_LOOKBACK = os.environ.get("CUTE_KERNELS_STATE_LOOKBACK", "0") == "1"
 # The one-pass segmented state pass: the summary launch also stores each chain's outputs (`summary_o`: o from a
 # zero start, qm from the identity), the merge gives the start states, and `SegmentCorrectionSm90` adds qm S_0 in
 # parallel over the chunks -- each segment's chain runs once instead of twice. Written in session 23 without a
 # GPU (compiled; its CPU emulation and a float64 emulation of its roundings match the reference as closely as the
 # unsegmented chain: rel. err 2.42e-3 vs 2.38e-3 at T = 4096, N = 8): off until measured
-# (tests/test_two_phase.py -k one_pass, scripts/time_two_phase.py one-pass). CUTE_KERNELS_STATE_ONE_PASS=1.
+# (tests/test_two_phase.py -k one_pass, scripts/time_two_phase.py one-pass). Session 25, H100: GPU tests pass, but
+# slower than the split launches (GDN B=1 H=4 T=16384 N=8: state pass 111.6 vs 94.8 us); off.
+# CUTE_KERNELS_STATE_ONE_PASS=1.
 STATE_ONE_PASS = os.environ.get("CUTE_KERNELS_STATE_ONE_PASS", "0") == "1"
 CORRECTION_CHUNKS_PER_TILE = 4   # the correction launch: chunks per CTA (S_0's split is made once per tile)
 # With STATE_ONE_PASS: the merge (regs or tc) publishes each start state as it stores it, and the correction grid
 # (launched programmatically as soon as every merge CTA runs) spins on those counts instead of waiting for the whole
 # merge, so every correction but the last segments' runs under the merge's chain (`SegmentCorrectionSm90(early)`).
 # Written in session 24 without a GPU (compiled; its counts' bookkeeping emulated on the CPU): off until measured
-# (tests/test_two_phase.py -k one_pass, scripts/time_two_phase.py one-pass). CUTE_KERNELS_STATE_EARLY_CORRECTION=1.
+# (tests/test_two_phase.py -k one_pass, scripts/time_two_phase.py one-pass). Session 25, H100: bitwise equal to the
+# waiting correction, counts back at 0, but no faster (114.4 us vs one-pass 111.6); off.
+# CUTE_KERNELS_STATE_EARLY_CORRECTION=1.
 STATE_EARLY_CORRECTION = os.environ.get("CUTE_KERNELS_STATE_EARLY_CORRECTION", "0") == "1"
 
 

@@ -108,8 +108,8 @@ for stage in $stages; do
       status=$((status | ${PIPESTATUS[0]}))
       timeout -s INT -k 20 $t python3 scripts/time_two_phase.py one-pass 2>&1 | tee "$out/one_pass_time.log" | grep -v Warn
       status=$((status | ${PIPESTATUS[0]})) ;;
-    pending-tests)   # every GPU test of the builds written without a GPU (sessions 22-24), each group under its own short limit (a hang, or a trap from a bounded spin, costs only its group): the publishing merge, one-pass + early correction, look-back, pair with the fold's terms, KDA's fold
-      for group in "publishing_merge:60:tests/test_merge.py" "one_pass_state_pass or early_correction:200:tests/test_two_phase.py" "lookback:150:tests/test_two_phase.py" "pair_state_pass or (two_phase_matches_reference and rs-pair):150:tests/test_two_phase.py" "kda_prep_fold or (fold_matches_reference and KDA_FOLD):150:tests/test_two_phase.py"; do
+    pending-tests)   # every GPU test of the builds written without a GPU (sessions 22-24; all passed on an H100 in session 25), each group under its own short limit (a hang, or a trap from a bounded spin, costs only its group): KDA's op tests with the fold on by default (varlen, strong decay: not yet run with it), the publishing merge, one-pass + early correction, look-back, pair with the fold's terms, KDA's fold
+      for group in "kda:240:tests/test_gdn_sm90.py" "publishing_merge:60:tests/test_merge.py" "one_pass_state_pass or early_correction:200:tests/test_two_phase.py" "lookback:150:tests/test_two_phase.py" "pair_state_pass or (two_phase_matches_reference and rs-pair):150:tests/test_two_phase.py" "kda_prep_fold or (fold_matches_reference and KDA_FOLD):150:tests/test_two_phase.py"; do
         k=${group%%:*}; rest=${group#*:}; lim=${rest%%:*}; file=${rest#*:}
         echo "--- -k \"$k\" (limit ${lim} s)"
         timeout -s INT -k 10 $lim python3 -m pytest $file -q --tb=line -p no:cacheprovider -k "$k" 2>&1 | tee -a "$out/pending_tests.log" | tail -4

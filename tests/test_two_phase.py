@@ -1034,8 +1034,12 @@ def test_overlap_plan_and_choice(monkeypatch):
     monkeypatch.setattr(la, "TWO_PHASE", "auto")
     monkeypatch.setattr(la, "OVERLAP", "auto")
     monkeypatch.setattr(la, "_two_phase_plans", {})
+    monkeypatch.setattr(two_phase, "KDA_FOLD", False)   # the plain path's phase 1 with w and u, as the overlapped one
     assert la._two_phase_segments(None, 1, 8192, 16, None, cpu, True, False) == 1   # KDA: phase 1 is the longer
     assert "overlapped" in la.last_plan(), la.last_plan()
+    monkeypatch.setattr(two_phase, "KDA_FOLD", True)   # the fold's phase 1 (x 0.84): the plain path, split
+    assert la._two_phase_segments(None, 1, 8192, 16, None, cpu, True, False) > 1
+    assert "overlapped" not in la.last_plan(), la.last_plan()
     for kda in (False, True):
         n = la._two_phase_segments(None, 1, 16384, 4, None, cpu, kda, False)
         assert n > 1 and "overlapped" not in la.last_plan()

@@ -1145,12 +1145,17 @@ PREP_CHUNK_US = {False: 9.4, True: 15.1}
 # With the terms stored by TMA (PREP_TMA_OUT, session 15): 364.3 us for the same tiles -> 11.3 (11.7 without).
 PREP_CHUNK_US_ROWS = 11.3 if PREP_TMA_OUT else 11.7
 OVERLAP_PREP_CHUNK_US_ROWS = 13.0
+# KDA_FOLD's phase 1 (no v load, no u product): 318.4 against 378.9 us for the same tiles (an H100, session 25, both
+# in one run) -> x 0.84. The overlapped path's phase 1 (`publish`) keeps w and u, so its cost stays.
+KDA_FOLD_PREP_RATIO = 0.84
 
 
 def prep_chunk_us(kda: bool, overlapped: bool = False) -> float:
     """Phase 1's time per chunk per CTA (one CTA per SM) for the cost models, by the build the switches select."""
     if kda and KDA_ROW_ANCHORS:
-        return OVERLAP_PREP_CHUNK_US_ROWS if overlapped else PREP_CHUNK_US_ROWS
+        if overlapped:
+            return OVERLAP_PREP_CHUNK_US_ROWS
+        return PREP_CHUNK_US_ROWS * (KDA_FOLD_PREP_RATIO if fold_path(True) else 1.0)
     return (OVERLAP_PREP_CHUNK_US if overlapped else PREP_CHUNK_US)[kda]
 
 # GDN's slim phase 1, per chunk per CTA with two CTAs on each SM: 13.96 us measured at B=2 H=16 T=8192 (225 us

@@ -115,7 +115,7 @@ for stage in $stages; do
     kda-tests)   # KDA's op tests (tests/test_gdn_sm90.py -k kda: varlen, strong decay, both paths) with the defaults
       timeout -s INT -k 10 ${KDA_TEST_S:-240} python3 -m pytest tests/test_gdn_sm90.py -q --tb=line -p no:cacheprovider -k kda 2>&1 | tee "$out/kda_tests.log" | tail -6
       status=$((status | ${PIPESTATUS[0]})) ;;
-    pending-tests)   # every GPU test of the builds written without a GPU (sessions 22-24; all passed on an H100 in session 25), each group under its own short limit (a hang, or a trap from a bounded spin, costs only its group): KDA's op tests with the fold on by default (varlen, strong decay: not yet run with it), the publishing merge, one-pass + early correction, look-back, pair with the fold's terms, KDA's fold
+    pending-tests)   # every GPU test of the builds written without a GPU (sessions 22-24; all passed on an H100 in sessions 25-26), each group under its own short limit (a hang, or a trap from a bounded spin, costs only its group): KDA's op tests with the fold on by default (varlen, strong decay: 26 passed in session 26), the publishing merge, one-pass + early correction, look-back, pair with the fold's terms, KDA's fold
       for group in "kda:240:tests/test_gdn_sm90.py" "publishing_merge:60:tests/test_merge.py" "one_pass_state_pass or early_correction:200:tests/test_two_phase.py" "lookback:150:tests/test_two_phase.py" "pair_state_pass or (two_phase_matches_reference and rs-pair):150:tests/test_two_phase.py" "kda_prep_fold or (fold_matches_reference and KDA_FOLD):150:tests/test_two_phase.py"; do
         k=${group%%:*}; rest=${group#*:}; lim=${rest%%:*}; file=${rest#*:}
         echo "--- -k \"$k\" (limit ${lim} s)"

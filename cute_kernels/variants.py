@@ -210,6 +210,15 @@ def _variants() -> list[Variant]:
                     + (("cp.async.bulk.tensor.3d.global.shared::cta",) if tma else ()),
                     archs=("sm_90a",),
                 ))
+            # the overlapped path's phase 1 with KDA_FOLD's terms (OVERLAP_FOLD): publishing, stored by threads
+            out.append(Variant(
+                op, f"{tag}_chunk_prep_sm90_bfloat16_fold_publish",
+                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, True, dump_dir=d, pdl=True,
+                                             publish=True, solve_mma=True, fold=True),
+                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4", "fence.acq_rel.gpu",
+                               "atom.global.release.add") + mma,
+                archs=("sm_90a",),
+            ))
         # The overlapped path: phase 1 publishing per-chunk flags (GDN's builds) and the state pass waiting on them
         # (KDA's gated build, GDN's raw one); the flag code is the same for both ops. GDN's raw overlapped path
         # (OVERLAP_RAW): phase 1's raw build with three CTAs per SM, the raw state pass with three ring stages.

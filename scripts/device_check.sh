@@ -63,7 +63,7 @@ for stage in $stages; do
       status=$((status | ${PIPESTATUS[0]})) ;;
     overlap)   # the overlapped two-phase path: its GPU tests (reference, determinism, flags back at 0), then its time
       if [ "${SKIP_TESTS:-0}" != 1 ]; then
-        timeout -s INT -k 10 ${OVERLAP_TEST_S:-240} python3 -m pytest tests/test_two_phase.py -q --tb=short -p no:cacheprovider -k "overlap" 2>&1 | tee "$out/overlap_tests.log" | tail -8
+        timeout -s INT -k 10 ${OVERLAP_TEST_S:-240} python3 -m pytest tests/test_two_phase.py -q --tb=short -p no:cacheprovider -k "${OVERLAP_TEST_K:-overlap}" 2>&1 | tee "$out/overlap_tests.log" | tail -8
         status=$((status | ${PIPESTATUS[0]}))
       fi
       timeout -s INT -k 20 $t python3 scripts/time_two_phase.py overlap 2>&1 | tee "$out/overlap_time.log" | grep -v Warn

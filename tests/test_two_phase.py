@@ -537,18 +537,22 @@ def test_two_phase_matches_reference(kda, B, T, H, with_init, N, variant, monkey
 
 
 @requires_sm90
-@pytest.mark.parametrize("kda,raw", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("kda,raw,fold", [(False, False, False), (False, True, False), (True, False, False),
+                                          (True, False, True)])
 @pytest.mark.parametrize("B,T,H,with_init", [(1, 4096, 4, False), (2, 1000, 3, True), (1, 2048, 16, True),
                                              (4, 640, 8, False)])
-def test_overlapped_path_matches_reference(kda, raw, B, T, H, with_init, monkeypatch):
+def test_overlapped_path_matches_reference(kda, raw, fold, B, T, H, with_init, monkeypatch):
     """The overlapped path (phase 1 publishing per chunk on a side stream, the state pass consuming it at once;
     `raw`: GDN's raw build, state pass launched first from the second call on): NaN-poisoned terms, float64
     reference, bitwise equal to itself and to the plain two-phase path (same math, only the timing differs), every
     flag back at 0. The plain path runs the same arithmetic here: for the gated builds GDN_RAW_QK off (the raw
     kernels round differently), PREP_TMA_OUT off (KDA's TMA stores keep q scaled in bf16, the thread stores scale
-    in fp32) and PREP_SOLVE_MMA off (GDN's gated publish build is not slim, so it has no tf32 solve)."""
+    in fp32) and PREP_SOLVE_MMA off (GDN's gated publish build is not slim, so it has no tf32 solve). `fold`
+    (KDA): both paths with KDA_FOLD's phase 1 (OVERLAP_FOLD); without it, both keep w and u (KDA_FOLD off)."""
     import cute_kernels.ops.linear_attention as la
 
+    monkeypatch.setattr(two_phase, "KDA_FOLD", fold)
+    monkeypatch.setattr(two_phase, "OVERLAP_FOLD", fold)
     monkeypatch.setattr(two_phase, "_POISON_PREP", True)
     monkeypatch.setattr(two_phase, "OVERLAP_RAW", raw)
     monkeypatch.setattr(two_phase, "GDN_RAW_QK", raw)
@@ -1038,8 +1042,16 @@ def test_overlap_plan_and_choice(monkeypatch):
     assert la._two_phase_segments(None, 1, 8192, 16, None, cpu, True, False) == 1   # KDA: phase 1 is the longer
     assert "overlapped" in la.last_plan(), la.last_plan()
     monkeypatch.setattr(two_phase, "KDA_FOLD", True)   # the fold's phase 1 (x 0.84): the plain path, split
+    monkeypatch.setattr(two_phase, "OVERLAP_FOLD", False)   # (the overlapped path's phase 1 keeps w and u)
     assert la._two_phase_segments(None, 1, 8192, 16, None, cpu, True, False) > 1
     assert "overlapped" not in la.last_plan(), la.last_plan()
+    monkeypatch.setattr(two_phase, "OVERLAP_FOLD", True)   # both phases 1 with the fold: overlapped again
+    assert la._two_phase_segments(None, 1, 8192, 16, None, cpu, True, False) == 1
+    assert "overlapped" in la.last_plan(), la.last_plan()
+    fold_plan = two_phase.overlap_plan(1, 8192, 16, True, torch.bfloat16, torch.bfloat16, False, False, cpu, 132)
+    assert fold_plan.fold and fold_plan.prep_fn.__self__.fold   # compiled with KDA_FOLD's terms
+    assert not two_phase.overlap_fold(False)   # GDN's overlapped path keeps its terms
+    monkeypatch.setattr(two_phase, "OVERLAP_FOLD", False)
     for kda in (False, True):
         n = la._two_phase_segments(None, 1, 16384, 4, None, cpu, kda, False)
         assert n > 1 and "overlapped" not in la.last_plan()

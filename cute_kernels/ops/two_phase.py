@@ -396,10 +396,11 @@ _plans: dict = {}
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
     PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the STATE_* switches of
-    the state pass, the affine-merge variant setting, OVERLAP_RAW)."""
+    the state pass, the affine-merge variant setting, OVERLAP_RAW,
+    OVERLAP_FOLD)."""
     full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, PREP_TRIO,
             PREP_SOLVE_MMA, PREP_BALANCE,
-            OVERLAP_RAW, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL,
+            OVERLAP_RAW, OVERLAP_FOLD, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL,
             _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
     if plan is None:
@@ -940,7 +941,8 @@ class OverlapPlan:
 
     Two builds:
     - gated (KDA; GDN with OVERLAP_RAW off): phase 1 with one CTA per SM on `sms - state CTAs` CTAs, launched
-      first: the state CTAs then find the SMs it leaves free.
+      first: the state CTAs then find the SMs it leaves free. KDA with OVERLAP_FOLD: phase 1 is KDA_FOLD's build
+      (no v load, no u product; qg, exp(G) k, W2, A1), and the state pass reads the call's v as u.
     - raw (GDN with OVERLAP_RAW and GDN_RAW_QK): phase 1's raw build with three CTAs per SM (`raw_qk`, `trio`) on
       3 x (sms - state CTAs) CTAs, the state pass's raw build with three ring stages (its shared memory then
       leaves no room for a phase-1 CTA beside it). Phase 1's grid would spread over every SM if it came first
@@ -965,6 +967,7 @@ class OverlapPlan:
             raise ValueError(f"overlapped path: {2 * B * H} state CTAs need at most half of the {sms} SMs")
         self.shape, self.kda, self.device = (B, T, H), kda, device
         self.raw = overlap_raw(kda)
+        self.fold = overlap_fold(kda)
         problem = _problem(B, T, H, None)
         self.chunks_per_seq = problem.chunks[0]
         state = schedule_from_segmentation(_problem(B, T, H, None, num_blocks=2),
@@ -983,7 +986,7 @@ class OverlapPlan:
             self.state_fn = compile_state_pass(io, kda, init, final, consume=True, raw_qk=True, rs=True,
                                                ring_decay=True, num_stages=3, pair=False, pdl=True).fn
         else:
-            self.prep_fn = compile_chunk_prep(io, beta_dtype, kda, slim=False, publish=True).fn
+            self.prep_fn = compile_chunk_prep(io, beta_dtype, kda, slim=False, publish=True, fold=self.fold).fn
             self.state_fn = compile_state_pass(io, kda, init, final, consume=True, pair=False).fn
         self.prep_launch = (prep.table_on(device), prep.num_tiles, ctas)
         self.state_launch = ((state.table_on(device), state.num_tiles, state.grid[0], self.flags, self.chunks_per_seq)
@@ -997,11 +1000,13 @@ class OverlapPlan:
         """The call: fresh terms (the caching allocator keeps them alive past the side stream's use: the caller's
         stream waits for it before anything can reuse them), phase 1 on the side stream, the state pass here."""
         dummy = final if final is not None else self.dummy
-        t = allocate_terms(*self.shape, self.kda, q.dtype, self.device, self.raw)
-        if self.raw:   # the state pass reads q and k themselves
+        t = allocate_terms(*self.shape, self.kda, q.dtype, self.device, self.raw, self.fold)
+        if self.fold:   # KDA's fold: the state pass reads the call's v as u (phase 1's u argument: never written)
+            t = PrepTerms(t.qg, t.w, v, t.kg, t.aqk, t.eg, True, False, True)
+        elif self.raw:   # the state pass reads q and k themselves
             t = PrepTerms(q, t.w, t.u, k, t.aqk, t.eg, t.kda, True)
         if _POISON_PREP:   # tests: every element the state pass reads must have been written (and published)
-            for x in (t.w, t.u, t.aqk, t.eg) + (() if self.raw else (t.qg, t.kg)):
+            for x in (t.w, t.aqk, t.eg) + (() if self.fold else (t.u,)) + (() if self.raw else (t.qg, t.kg)):
                 x.fill_(float("nan"))
         prep = lambda: self.prep_fn(q, k, v, g32, beta, t.qg, t.w, t.u, t.kg, t.aqk, t.eg,   # noqa: E731
                                     *self.prep_launch, scale, self.flags, self.chunks_per_seq, 2)
@@ -1043,6 +1048,20 @@ OVERLAP_RAW = os.environ.get("CUTE_KERNELS_OVERLAP_RAW", "0") == "1"
 def overlap_raw(kda: bool) -> bool:
     """Whether the overlapped path runs the raw kernels (GDN, OVERLAP_RAW, GDN_RAW_QK)."""
     return not kda and OVERLAP_RAW and GDN_RAW_QK
+
+
+# KDA's overlapped path with KDA_FOLD's phase 1 (`ChunkPrepSm90(publish=True, fold=True)`, row-anchored): the
+# state pass is unchanged (the fold's terms run the plain KDA state pass). Why: with the fold's cheaper phase 1
+# priced (KDA_FOLD_PREP_RATIO), the split plain path took KDA's B*H = 16, T >= 4096 cells from the overlapped one,
+# whose phase 1 kept w and u: a wash on an H100 (session 26: 170.1 vs 161.9 us at B=1 H=16 T=4096, 562.2 vs 593.2
+# at B=4 H=4 T=16384); there phase 1 on the SMs the state CTAs leave is what ends the call, so the fold's -14..-16%
+# should carry over. Written in session 27; off until measured (CUTE_KERNELS_OVERLAP_FOLD=1).
+OVERLAP_FOLD = os.environ.get("CUTE_KERNELS_OVERLAP_FOLD", "0") == "1"
+
+
+def overlap_fold(kda: bool) -> bool:
+    """Whether the overlapped path's phase 1 is KDA_FOLD's build (KDA, OVERLAP_FOLD and `fold_path`)."""
+    return kda and OVERLAP_FOLD and fold_path(True)
 
 
 def overlap_fits(B: int, H: int, sms: int) -> bool:
@@ -1146,7 +1165,8 @@ PREP_CHUNK_US = {False: 9.4, True: 15.1}
 PREP_CHUNK_US_ROWS = 11.3 if PREP_TMA_OUT else 11.7
 OVERLAP_PREP_CHUNK_US_ROWS = 13.0
 # KDA_FOLD's phase 1 (no v load, no u product): 318.4 against 378.9 us for the same tiles (an H100, session 25, both
-# in one run) -> x 0.84. The overlapped path's phase 1 (`publish`) keeps w and u, so its cost stays.
+# in one run) -> x 0.84. The overlapped path's phase 1 (`publish`) keeps w and u unless OVERLAP_FOLD (then the
+# same ratio is assumed beside the state pass).
 KDA_FOLD_PREP_RATIO = 0.84
 
 
@@ -1154,7 +1174,7 @@ def prep_chunk_us(kda: bool, overlapped: bool = False) -> float:
     """Phase 1's time per chunk per CTA (one CTA per SM) for the cost models, by the build the switches select."""
     if kda and KDA_ROW_ANCHORS:
         if overlapped:
-            return OVERLAP_PREP_CHUNK_US_ROWS
+            return OVERLAP_PREP_CHUNK_US_ROWS * (KDA_FOLD_PREP_RATIO if overlap_fold(True) else 1.0)
         return PREP_CHUNK_US_ROWS * (KDA_FOLD_PREP_RATIO if fold_path(True) else 1.0)
     return (OVERLAP_PREP_CHUNK_US if overlapped else PREP_CHUNK_US)[kda]
 

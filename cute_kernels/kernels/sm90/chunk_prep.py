@@ -58,7 +58,8 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     outputs are qg, kE = k 2^G (the kb tile, per channel: no row factor can stand in for it) by the w output, W2 by
     the kg output and A1 by the aqk output; eg as before. The plain KDA state pass reads them unchanged, with the
     call's v as u: R = v - kE S stands in for v_new, o += A1 R, S += W2^T R. Per chunk and head 16 KB read and
-    16 KB written fewer, and half a product (A1's 64 x 64 x 64 instead of u's 64 x 64 x 128).
+    16 KB written fewer, and half a product (A1's 64 x 64 x 64 instead of u's 64 x 64 x 128). KDA's fold also
+    runs with `publish` (the overlapped path; its terms then leave by the threads' stores).
 
     `pdl`: every CTA starts with `griddepcontrol.launch_dependents`, so a state pass launched with PDL starts its
     prologue once this grid's last wave has begun (it waits for the whole grid before reading the terms).
@@ -126,8 +127,9 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         if trio and not raw_qk:
             raise ValueError("ChunkPrepSm90: trio (three CTAs per SM) is the raw_qk build's")
         self.trio = trio
-        if fold and (not (raw_qk or row_anchors) or publish):
-            raise ValueError("ChunkPrepSm90: fold is the raw_qk (GDN) or row-anchored (KDA) build's, without publish")
+        if fold and not (raw_qk or row_anchors) or fold and publish and not row_anchors:
+            raise ValueError("ChunkPrepSm90: fold is the raw_qk (GDN) or row-anchored (KDA) build's; with publish "
+                             "only KDA's")
         self.fold = fold
         if fold:
             self.load_v = False

@@ -1056,7 +1056,7 @@ def overlap_raw(kda: bool) -> bool:
 # whose phase 1 kept w and u: a wash on an H100 (session 26: 170.1 vs 161.9 us at B=1 H=16 T=4096, 562.2 vs 593.2
 # at B=4 H=4 T=16384); there phase 1 on the SMs the state CTAs leave is what ends the call, so the fold's -14..-16%
 # should carry over. Written in session 27; off until measured (CUTE_KERNELS_OVERLAP_FOLD=1).
-OVERLAP_FOLD = os.environ.get("CUTE_KERNELS_OVERLAP_FOLD", "0") == "1"
+OVERLAP_FOLD = os.environ.get("CUTE_KERNELS_OVERLAP_FOLD", "1") == "1"
 
 
 def overlap_fold(kda: bool) -> bool:

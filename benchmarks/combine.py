@@ -36,7 +36,18 @@ def combine(parts: list[dict]) -> tuple[dict, list[dict]]:
             cells[(row["B"], row["H"], row["T"])] = row
     meta["complete"] = all(p.get("complete", False) for p in parts)
     meta["parts"] = len(parts)
-    return meta, list(cells.values())
+    return meta, [cells[c] for c in sorted(cells, key=_grid_order(meta.get("grid")))]
+
+
+def _grid_order(name):
+    """A sort key that puts cells in their grid's table order (rows as the grid lists them, T ascending), whatever
+    order the parts came in; cells outside the grid go last."""
+    try:
+        rows = grids.get_grid(name)
+    except (ValueError, TypeError):
+        rows = []
+    rank = {(r.B, r.H): i for i, r in enumerate(rows)}
+    return lambda c: (rank.get(c[:2], len(rank)), c)
 
 
 def main(argv=None) -> int:

@@ -294,6 +294,9 @@ def test_combine_parts(tmp_path):
     noted = report.write_json(tmp_path / "d.json", dict(base, ours="x (AUTO_SEGMENTS: cost model)"), [row(1, 4, 64, 5.0)])
     meta, rows = combine.combine([report.read_json(noted), report.read_json(p1)])
     assert meta["ours"] == "x" and len(rows) == 3
+    # rows in the grid's order whatever the parts' order: "small" lists (1, 4) before (2, 8), T ascending
+    _, rows = combine.combine([report.read_json(p2), report.read_json(p1), report.read_json(noted)])
+    assert [(r["B"], r["H"], r["T"]) for r in rows] == [(1, 4, 64), (1, 4, 256), (1, 4, 1024), (2, 8, 256)]
     renamed = report.write_json(tmp_path / "e.json", dict(base, ours="y (x)"), [row(1, 4, 64, 5.0)])
     with pytest.raises(ValueError, match="differ in 'ours'"):
         combine.combine([report.read_json(p1), report.read_json(renamed)])

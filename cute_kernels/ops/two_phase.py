@@ -1055,7 +1055,9 @@ def overlap_raw(kda: bool) -> bool:
 # priced (KDA_FOLD_PREP_RATIO), the split plain path took KDA's B*H = 16, T >= 4096 cells from the overlapped one,
 # whose phase 1 kept w and u: a wash on an H100 (session 26: 170.1 vs 161.9 us at B=1 H=16 T=4096, 562.2 vs 593.2
 # at B=4 H=4 T=16384); there phase 1 on the SMs the state CTAs leave is what ends the call, so the fold's -14..-16%
-# should carry over. Written in session 27; off until measured (CUTE_KERNELS_OVERLAP_FOLD=1).
+# should carry over. Measured in session 27 (H100, graph replay, `scripts/time_two_phase.py overlap`): B=1 H=16
+# T=4096 144.1 us against the split plain path's 173.9 (the overlapped build without the fold 163.2), T=8192 264.9 /
+# 302.0 / 304.0, B=4 H=4 T=16384 525.1 / 564.8 / 599.0; GPU tests pass. CUTE_KERNELS_OVERLAP_FOLD=0 keeps w and u.
 OVERLAP_FOLD = os.environ.get("CUTE_KERNELS_OVERLAP_FOLD", "1") == "1"
 
 

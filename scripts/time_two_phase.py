@@ -559,8 +559,7 @@ def time_overlap():
     # gated build with and without KDA_FOLD's phase 1 (OVERLAP_FOLD). OVERLAP_SETTINGS picks them by label.
     settings = [("plain", lambda: setting("0", raw_default, fold_default)),
                 ("overlap gated", lambda: setting("1", False)), ("overlap raw", lambda: setting("1", True)),
-                ("overlap fold", lambda: setting("1", False, True)),
-                ("auto fold", lambda: setting("auto", raw_default, True))]
+                ("overlap fold", lambda: setting("1", False, True))]
     wanted = os.environ.get("OVERLAP_SETTINGS", "plain,overlap gated,overlap raw").split(",")
     settings = [s for s in settings if s[0] in wanted]
 

@@ -396,12 +396,11 @@ _plans: dict = {}
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
     PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the STATE_* switches of
-    the state pass, the affine-merge variant setting, OVERLAP_RAW,
-    OVERLAP_FOLD)."""
+    the state pass, the affine-merge variant setting, OVERLAP_RAW, OVERLAP_FOLD)."""
     full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, PREP_TRIO,
             PREP_SOLVE_MMA, PREP_BALANCE,
-            OVERLAP_RAW, OVERLAP_FOLD, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL,
-            _merge.AFFINE_MERGE_IMPL)
+            OVERLAP_RAW, OVERLAP_FOLD, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
+            STATE_PAIR, PDL, _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:

@@ -127,7 +127,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         if trio and not raw_qk:
             raise ValueError("ChunkPrepSm90: trio (three CTAs per SM) is the raw_qk build's")
         self.trio = trio
-        if fold and not (raw_qk or row_anchors) or fold and publish and not row_anchors:
+        if fold and (not (raw_qk or row_anchors) or (publish and not row_anchors)):
             raise ValueError("ChunkPrepSm90: fold is the raw_qk (GDN) or row-anchored (KDA) build's; with publish "
                              "only KDA's")
         self.fold = fold

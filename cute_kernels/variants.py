@@ -251,6 +251,18 @@ def _variants() -> list[Variant]:
                                "ld.global.v4.b32", "trap;"),   # trap: the bounded spin (kernels/spin.py)
                 archs=("sm_90a",),
             ))
+            # OVERLAP_SHARE: the same state pass with room for a phase-1 trio CTA on its SM (two stages, launched
+            # for two CTAs per SM: 128 registers per thread, the consumer raised to 216)
+            out.append(Variant(
+                op, f"{tag}_state_pass_sm90_bfloat16_rs_raw_consume_share",
+                lambda d: compile_state_pass(torch.bfloat16, False, True, True, dump_dir=d, consume=True,
+                                             raw_qk=True, rs=True, ring_decay=True, num_stages=2, pair=False,
+                                             tma_o=False, u_fast=False, pdl=True, share=True),
+                ptx_must_have=("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
+                               "ld.acquire.gpu.global", ".minnctapersm 2", "setmaxnreg.inc.sync.aligned.u32 \t216;",
+                               "setmaxnreg.dec.sync.aligned.u32 \t40;", "trap;"),
+                archs=("sm_90a",),
+            ))
         else:
             out.append(Variant(
                 op, f"{tag}_state_pass_sm90_bfloat16_consume",

@@ -550,30 +550,34 @@ def time_overlap():
     from schedulers import Problem
 
     cells = env_cells("OVERLAP_CELLS", "1,16,2048;1,16,4096;1,16,8192;2,8,4096;1,8,8192;4,4,8192")
-    raw_default, fold_default = two_phase.OVERLAP_RAW, two_phase.OVERLAP_FOLD
+    raw_default, fold_default, share_default = two_phase.OVERLAP_RAW, two_phase.OVERLAP_FOLD, two_phase.OVERLAP_SHARE
 
-    def setting(overlap, raw, fold=False):
+    def setting(overlap, raw, fold=False, share=False):
         la.OVERLAP, two_phase.OVERLAP_RAW, two_phase.OVERLAP_FOLD = overlap, raw, fold
+        two_phase.OVERLAP_SHARE = share
 
     # GDN's overlapped path in both builds (gated: phase 1 one CTA per SM; raw, OVERLAP_RAW: three per SM); KDA's
     # gated build with and without KDA_FOLD's phase 1 (OVERLAP_FOLD). OVERLAP_SETTINGS picks them by label.
-    settings = [("plain", lambda: setting("0", raw_default, fold_default)),
+    settings = [("plain", lambda: setting("0", raw_default, fold_default, share_default)),
                 ("overlap gated", lambda: setting("1", False)), ("overlap raw", lambda: setting("1", True)),
-                ("overlap fold", lambda: setting("1", False, True))]
+                ("overlap fold", lambda: setting("1", False, True)),
+                ("overlap share", lambda: setting("1", True, False, True))]
     wanted = os.environ.get("OVERLAP_SETTINGS", "plain,overlap gated,overlap raw").split(",")
     settings = [s for s in settings if s[0] in wanted]
 
     def model(op, B, H, T):
         out = []
-        for fold in (False, True):
-            two_phase.OVERLAP_FOLD = fold
+        builds = ((("gated", False, False, False), ("fold", False, True, False)) if op == "kda" else
+                  (("gated", False, False, False), ("raw", True, False, False), ("share", True, False, True)))
+        for label, raw, fold, share in builds:
+            setting("auto", raw, fold, share)
             us = two_phase.predicted_overlap_us(Problem.fixed(B, T, H), op == "kda", 132)
-            out.append(f"model overlap{' fold' if fold else ''} {us:.0f} us")
-        two_phase.OVERLAP_FOLD = fold_default
+            out.append(f"model overlap {label} {us:.0f} us")
+        setting("auto", raw_default, fold_default, share_default)
         return ", ".join(out)
 
     time_op_settings(os.environ.get("OVERLAP_OPS", "gdn,kda").split(","), cells, settings,
-                     lambda: setting("auto", raw_default, fold_default), model)
+                     lambda: setting("auto", raw_default, fold_default, share_default), model)
 
 def prep_ab(op, cells, setting, labels, chunks_per_tile=None, slots_per_sm=None):
     """Phase 1 alone (graph replay) with the module setting `two_phase.<setting>` off, then on, per cell (the same

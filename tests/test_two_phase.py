@@ -537,24 +537,28 @@ def test_two_phase_matches_reference(kda, B, T, H, with_init, N, variant, monkey
 
 
 @requires_sm90
-@pytest.mark.parametrize("kda,raw,fold", [(False, False, False), (False, True, False), (True, False, False),
-                                          (True, False, True)])
+@pytest.mark.parametrize("kda,raw,fold,share", [(False, False, False, False), (False, True, False, False),
+                                                (False, True, False, True), (True, False, False, False),
+                                                (True, False, True, False)],
+                         ids=["gdn-gated", "gdn-raw", "gdn-raw-share", "kda-gated", "kda-fold"])
 @pytest.mark.parametrize("B,T,H,with_init", [(1, 4096, 4, False), (2, 1000, 3, True), (1, 2048, 16, True),
                                              (4, 640, 8, False)])
-def test_overlapped_path_matches_reference(kda, raw, fold, B, T, H, with_init, monkeypatch):
+def test_overlapped_path_matches_reference(kda, raw, fold, share, B, T, H, with_init, monkeypatch):
     """The overlapped path (phase 1 publishing per chunk on a side stream, the state pass consuming it at once;
     `raw`: GDN's raw build, state pass launched first from the second call on): NaN-poisoned terms, float64
     reference, bitwise equal to itself and to the plain two-phase path (same math, only the timing differs), every
     flag back at 0. The plain path runs the same arithmetic here: for the gated builds GDN_RAW_QK off (the raw
     kernels round differently), PREP_TMA_OUT off (KDA's TMA stores keep q scaled in bf16, the thread stores scale
     in fp32) and PREP_SOLVE_MMA off (GDN's gated publish build is not slim, so it has no tf32 solve). `fold`
-    (KDA): both paths with KDA_FOLD's phase 1 (OVERLAP_FOLD); without it, both keep w and u (KDA_FOLD off)."""
+    (KDA): both paths with KDA_FOLD's phase 1 (OVERLAP_FOLD); without it, both keep w and u (KDA_FOLD off).
+    `share` (raw): the state pass's `share` build with a phase-1 CTA beside each state CTA (OVERLAP_SHARE)."""
     import cute_kernels.ops.linear_attention as la
 
     monkeypatch.setattr(two_phase, "KDA_FOLD", fold)
     monkeypatch.setattr(two_phase, "OVERLAP_FOLD", fold)
     monkeypatch.setattr(two_phase, "_POISON_PREP", True)
     monkeypatch.setattr(two_phase, "OVERLAP_RAW", raw)
+    monkeypatch.setattr(two_phase, "OVERLAP_SHARE", share)
     monkeypatch.setattr(two_phase, "GDN_RAW_QK", raw)
     monkeypatch.setattr(two_phase, "PREP_TMA_OUT", False)
     if not raw:
@@ -583,6 +587,8 @@ def test_overlapped_path_matches_reference(kda, raw, fold, B, T, H, with_init, m
     plan = two_phase.overlap_plan(B, T, H, kda, q.dtype, beta.dtype, with_init, True, q.device,
                                   la._sm_count(q.device))
     assert int(plan.flags.abs().sum()) == 0, "flags not back at 0"
+    assert plan.share == share and plan.prep_ctas == min(
+        -(-T // 64) * B * H, (3 if raw else 1) * (la._sm_count(q.device) - 2 * B * H) + (2 * B * H if share else 0))
 
 
 # ---------------------------------------------------------------- CPU: the segmented state pass's orchestration
@@ -1068,6 +1074,33 @@ def test_overlap_plan_and_choice(monkeypatch):
     assert "overlapped" not in la.last_plan()
 
 
+def test_overlap_share_plan(monkeypatch):
+    """OVERLAP_SHARE (CPU, kernels stubbed): GDN's raw overlapped build puts one phase-1 CTA beside each state CTA
+    (3 x (SMs - state CTAs) + state CTAs), with the state pass's `share` build (two ring stages); without it the
+    raw build keeps 3 x (SMs - state CTAs) and three stages; KDA (no raw build) is unaffected; the model gives the
+    shared build more phase-1 CTAs, so a phase-1-bound call (B*H = 32, T = 8192) is predicted faster."""
+    from schedulers import Problem
+
+    compiled = []
+    monkeypatch.setattr(two_phase, "_plans", {})
+    monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, None))
+    monkeypatch.setattr(two_phase, "compile_state_pass",
+                        lambda *a, **kw: compiled.append(kw) or PrepEmulator(False, None))
+    monkeypatch.setattr(two_phase, "GDN_RAW_QK", True)
+    monkeypatch.setattr(two_phase, "OVERLAP_RAW", True)
+    cpu = torch.device("cpu")
+    predicted = {}
+    for share in (False, True):
+        monkeypatch.setattr(two_phase, "OVERLAP_SHARE", share)
+        plan = two_phase.overlap_plan(2, 8192, 16, False, torch.bfloat16, torch.bfloat16, False, False, cpu, 132)
+        assert plan.share == share and plan.state_ctas == 64
+        assert plan.prep_ctas == (3 * 68 + 64 if share else 3 * 68)
+        assert compiled[-1]["share"] == share and compiled[-1]["num_stages"] == (2 if share else 3)
+        predicted[share] = two_phase.predicted_overlap_us(Problem.fixed(2, 8192, 16), False, 132)
+        assert not two_phase.overlap_share(True)   # KDA's overlapped path has no raw build
+    assert predicted[True] < 0.9 * predicted[False], predicted
+
+
 def test_auto_path_choice(monkeypatch):
     """CUTE_KERNELS_TWO_PHASE=auto: scheduler=None takes the two-phase path where B x H leaves SMs idle and the
     fused kernel where it fills them (the cost models' predictions, both in last_plan()); an explicit scheduler
@@ -1251,6 +1284,14 @@ def test_state_pass_profile_mode_is_rs_only_and_owns_final_state(monkeypatch):
         with pytest.raises(ValueError, match="pair needs|rs-consumer options"):
             ChunkStatePassSm90(cutlass.BFloat16, False, False, True, **{"rs": True, "ring_decay": True, **bad},
                                pair=True)
+    # share: two CTAs' worth of registers at launch (40 + 216 <= 2 x 128), forward rs with <= 2 stages, no pair
+    k = ChunkStatePassSm90(cutlass.BFloat16, False, False, False, rs=True, ring_decay=True, num_stages=2, share=True)
+    assert k.share and k.consumer_regs == 216 and 40 + k.consumer_regs <= 2 * 128
+    assert ChunkStatePassSm90(cutlass.BFloat16, False, False, False, rs=True).consumer_regs == 232
+    for bad in ({"num_stages": 3}, {"rs": False}, {"mode": "summary"}, {"pair": True}):
+        with pytest.raises(ValueError, match="share is|rs-consumer options|pair needs"):
+            ChunkStatePassSm90(cutlass.BFloat16, False, False, False, **{"rs": True, "ring_decay": True,
+                                                                         "num_stages": 2, **bad}, share=True)
 
 
 def test_lookback_mode_options_and_workspace_indices(monkeypatch):

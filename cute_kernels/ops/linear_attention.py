@@ -364,7 +364,7 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
            _two_phase_module().STATE_PAIR, _two_phase_module().state_pair(), _merge.AFFINE_MERGE_IMPL, OVERLAP,
            _two_phase_module().KDA_ROW_ANCHORS,
            _two_phase_module().GDN_RAW_QK, _two_phase_module().PREP_TRIO, _two_phase_module().OVERLAP_RAW,
-           _two_phase_module().OVERLAP_FOLD,
+           _two_phase_module().OVERLAP_FOLD, _two_phase_module().OVERLAP_SHARE,
            _two_phase_module().GDN_FOLD, _two_phase_module().KDA_FOLD, _two_phase_module().PREP_BALANCE,
            _two_phase_module().STATE_ONE_PASS,
            _two_phase_module().STATE_EARLY_CORRECTION)

@@ -396,11 +396,11 @@ _plans: dict = {}
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
     PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the STATE_* switches of
-    the state pass, the affine-merge variant setting, OVERLAP_RAW, OVERLAP_FOLD)."""
+    the state pass, the affine-merge variant setting, OVERLAP_RAW, OVERLAP_FOLD, OVERLAP_SHARE)."""
     full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, PREP_TRIO,
-            PREP_SOLVE_MMA, PREP_BALANCE,
-            OVERLAP_RAW, OVERLAP_FOLD, STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST,
-            STATE_PAIR, PDL, _merge.AFFINE_MERGE_IMPL)
+            PREP_SOLVE_MMA, PREP_BALANCE, OVERLAP_RAW, OVERLAP_FOLD, OVERLAP_SHARE,
+            STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL,
+            _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)
     if plan is None:
         if len(_plans) > 512:
@@ -608,7 +608,8 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
                        mode: str = "forward", dump_dir=None, rs: bool | None = None, num_stages: int | None = None,
                        profile: bool = False, ring_decay: bool | None = None, tma_o: bool | None = None,
                        u_fast: bool | None = None, pair: bool | None = None, pdl: bool | None = None,
-                       consume: bool = False, raw_qk: bool = False, fold: bool = False, summary_o: bool = False):
+                       consume: bool = False, raw_qk: bool = False, fold: bool = False, summary_o: bool = False,
+                       share: bool = False):
     """Compile phase 2 (`ChunkStatePassSm90`) for one configuration (no GPU needed); `raw_qk`: it reads q, k and
     GDN_RAW_QK's [.., 4] eg (`PrepTerms.raw`); `fold`: and v, W2, A1 (`PrepTerms.fold`); `rs` defaults to
     STATE_PASS_RS, and with rs `num_stages` to STATE_STAGES (2 without rs). `profile`: the diagnostic build whose
@@ -624,7 +625,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
     pdl = PDL if pdl is None else pdl
     key = ("state_pass_sm90", str(io_dtype), kda, has_initial_state, store_final_state, mode, rs, num_stages,
            profile, ring_decay, tma_o, u_fast, pair, pdl, consume, raw_qk, fold)
-    key = key + (("summary_o",) if summary_o else ())
+    key = key + (("summary_o",) if summary_o else ()) + (("share",) if share else ())
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -638,7 +639,7 @@ def compile_state_pass(io_dtype: torch.dtype, kda: bool, has_initial_state: bool
         kernel = ChunkStatePassSm90(io, kda, has_initial_state, store_final_state, mode, rs=rs,
                                     num_stages=num_stages, profile=profile, ring_decay=ring_decay, tma_o=tma_o,
                                     u_fast=u_fast, pair=pair, pdl=pdl, consume=consume, raw_qk=raw_qk,
-                                    fold=fold, summary_o=summary_o)
+                                    fold=fold, summary_o=summary_o, share=share)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         args = (
             wide(), wide(), wide(), wide(),                      # qg, w, u, kg
@@ -949,6 +950,8 @@ class OverlapPlan:
       phase 1 follows on the same stream as its programmatic dependent (`ChunkPrepSm90(secondary=True)`): it
       starts once every state CTA holds its SM, fills the others, and ends only after the state pass. The order
       is then the same eagerly and in a CUDA graph (two streams would leave a graph free to start either first).
+      With OVERLAP_SHARE the state pass is its `share` build (two ring stages, launched with 128 registers per
+      thread): one phase-1 CTA fits beside each state CTA, so phase 1 runs on 3 x (sms - state CTAs) + state CTAs.
 
     Deadlock freedom: phase 1 never waits on the state pass before its end, and the state grid stays at or
     below half the SMs (`overlap_fits`), so every state CTA becomes resident and phase 1 always has SMs to run
@@ -974,8 +977,8 @@ class OverlapPlan:
         prep_seg = Segmentation([split_even(c, c) for c in problem.chunks])   # one chunk per tile
         tiles = schedule_from_segmentation(problem, prep_seg, "prep").tiles
         tiles = sorted(tiles, key=lambda t: (t.chunk_start, t.seq, t.head))   # chunk-major
-        per_sm = 3 if self.raw else 1
-        ctas = max(1, min(len(tiles), per_sm * (sms - state.num_tiles)))
+        self.share = overlap_share(kda)
+        ctas = max(1, min(len(tiles), overlap_prep_ctas(self.raw, self.share, sms, state.num_tiles)))
         prep = Schedule(tiles, (ctas, 1, 1), True, prep_seg, "prep-overlap")
         self.flags = torch.zeros(B * self.chunks_per_seq * H, dtype=torch.int32, device=device)
         if self.raw:
@@ -983,7 +986,8 @@ class OverlapPlan:
                                               trio=True, secondary=True).fn
             # pdl: its CTAs signal launch_dependents, which is what lets phase 1 start at all
             self.state_fn = compile_state_pass(io, kda, init, final, consume=True, raw_qk=True, rs=True,
-                                               ring_decay=True, num_stages=3, pair=False, pdl=True).fn
+                                               ring_decay=True, num_stages=2 if self.share else 3, pair=False,
+                                               pdl=True, share=self.share).fn
         else:
             self.prep_fn = compile_chunk_prep(io, beta_dtype, kda, slim=False, publish=True, fold=self.fold).fn
             self.state_fn = compile_state_pass(io, kda, init, final, consume=True, pair=False).fn
@@ -1060,6 +1064,27 @@ def overlap_raw(kda: bool) -> bool:
 OVERLAP_FOLD = os.environ.get("CUTE_KERNELS_OVERLAP_FOLD", "1") == "1"
 
 
+# The raw build with phase 1 on every SM (OVERLAP_SHARE): the state pass's `share` build leaves room for one of
+# phase 1's trio CTAs beside each state CTA (before, its three ring stages and 232 registers per thread held the
+# whole SM -- 59 K of 64 K registers; the notes' "no gain without co-residency", session 10). At B*H = 32 the
+# raw build then has 268 phase-1 CTAs instead of 204. Off until measured.
+OVERLAP_SHARE = os.environ.get("CUTE_KERNELS_OVERLAP_SHARE", "0") == "1"
+
+
+def overlap_share(kda: bool) -> bool:
+    """Whether the overlapped path's raw build shares the state CTAs' SMs with phase 1 (OVERLAP_SHARE)."""
+    return overlap_raw(kda) and OVERLAP_SHARE
+
+
+def overlap_prep_ctas(raw: bool, share: bool, sms: int, state_ctas: int) -> int:
+    """Phase-1 CTAs of the overlapped path (before the cap at its tile count): one per SM the state pass leaves
+    (gated build), three (raw), and with `share` one more beside each state CTA."""
+    free = max(1, sms - state_ctas)
+    if not raw:
+        return free
+    return 3 * free + (state_ctas if share else 0)
+
+
 def overlap_fold(kda: bool) -> bool:
     """Whether the overlapped path's phase 1 is KDA_FOLD's build (KDA, OVERLAP_FOLD and `fold_path`)."""
     return kda and OVERLAP_FOLD and fold_path(True)
@@ -1092,6 +1117,10 @@ OVERLAP_CHAIN_CHUNK_US = {False: 1.45, True: 1.45}
 # (plain 300.1: phase 1 on the 68 SMs the 64 state CTAs leave is as long as the two phases in turn).
 OVERLAP_RAW_PREP_CHUNK_US = 14.0
 OVERLAP_RAW_CHAIN_CHUNK_US = 1.5
+# OVERLAP_SHARE (estimates, not measured): phase 1 as the raw build's; the chain slower with a phase-1 CTA on its
+# own SM (two ring stages instead of three, and the SM's issue slots shared).
+OVERLAP_SHARE_PREP_CHUNK_US = 14.0
+OVERLAP_SHARE_CHAIN_CHUNK_US = 1.8
 
 
 def predicted_overlap_us(problem, kda: bool, slots: int) -> float:
@@ -1103,9 +1132,11 @@ def predicted_overlap_us(problem, kda: bool, slots: int) -> float:
     from schedulers.heuristics import makespan
 
     H = problem.num_heads
-    raw = overlap_raw(kda)
-    free = max(1, slots - 2 * problem.num_seqs * H) * (3 if raw else 1)
-    if raw:
+    raw, share = overlap_raw(kda), overlap_share(kda)
+    free = overlap_prep_ctas(raw, share, slots, 2 * problem.num_seqs * H)
+    if share:
+        prep_us, chunk_us = OVERLAP_SHARE_PREP_CHUNK_US, OVERLAP_SHARE_CHAIN_CHUNK_US
+    elif raw:
         prep_us, chunk_us = OVERLAP_RAW_PREP_CHUNK_US, OVERLAP_RAW_CHAIN_CHUNK_US
     else:
         prep_us, chunk_us = prep_chunk_us(kda, overlapped=True), OVERLAP_CHAIN_CHUNK_US[kda]

@@ -23,6 +23,8 @@ C = 64          # chunk length (tokens)
 V_BLOCK = 64    # V columns of the state per work tile (the tile's `block` picks which)
 K_DIM = 128
 NUM_STAGES = 2
+CONSUMER_REGS = 232         # the consumer warpgroup's registers (setmaxnreg; the producer's go down to 40)
+CONSUMER_REGS_SHARE = 216   # `share`: 40 + 216 = 2 x 128, the launch's 128 per thread (two CTAs per SM)
 
 
 class ChunkStatePassSm90:
@@ -105,6 +107,13 @@ class ChunkStatePassSm90:
     never waits on this grid before its end, so the spin cannot deadlock as long as phase 1 has SMs: the op keeps
     this grid within half the SM count.
 
+    `share` (forward mode, rs, at most 2 ring stages, not pair): the build that leaves room on its SM for one of
+    phase 1's three-per-SM CTAs (`ChunkPrepSm90(trio=True)`, 288 threads x 72 registers, ~76 KB): compiled for
+    two CTAs per SM (128 registers per thread at launch, 32 K of the SM's 64 K) and the consumer warpgroup raised
+    to 216 only (the producer's 128 - 40 cover its 216 - 128), two stages (~134 KB of shared memory). The
+    overlapped path's raw build (`OverlapPlan`, OVERLAP_SHARE) then runs phase 1 on every SM: one CTA beside
+    each state CTA and three on the SMs the state pass leaves.
+
     `profile` (rs, diagnostics only): the consumer sums clock64 cycles per phase of every chunk -- (0) exp(G_last)
     load and ring wait, (1) first products and their wait, (2) subtraction and conversion of v_new, (4) second
     products issued, o's wait and o^T stored, (3) the state update's wait and the release -- and thread 0 of the
@@ -155,7 +164,7 @@ class ChunkStatePassSm90:
                  mode: str = "forward", num_stages: int = NUM_STAGES, rs: bool = False, profile: bool = False,
                  ring_decay: bool = False, tma_o: bool = False, u_fast: bool = False, pair: bool = False,
                  pdl: bool = False, consume: bool = False, raw_qk: bool = False, fold: bool = False,
-                 summary_o: bool = False):
+                 summary_o: bool = False, share: bool = False):
         if mode not in ("forward", "segment_outputs", "summary", "lookback"):
             raise ValueError(f"mode must be 'forward', 'segment_outputs', 'summary' or 'lookback', got {mode!r}")
         if mode == "lookback" and (not (rs and ring_decay) or pair or tma_o or u_fast or consume or profile):
@@ -200,6 +209,11 @@ class ChunkStatePassSm90:
             raise ValueError("summary_o is the summary mode's option, with rs=True and ring_decay=True, without "
                              "pair, tma_o, u_fast and profile")
         self.summary_o = summary_o
+        if share and (mode != "forward" or not rs or num_stages > 2 or pair):
+            raise ValueError("share is a forward-mode option of the rs build with at most 2 stages, without pair")
+        self.share = share
+        # share: 40 (producer) + CONSUMER_REGS_SHARE (consumer) <= 2 x 128, the registers two CTAs per SM launch with
+        self.consumer_regs = CONSUMER_REGS_SHARE if share else CONSUMER_REGS
         self.outputs = mode != "summary" or summary_o
         self.lookback = mode == "lookback"
         wide_tiles = 3 if self.outputs else 2   # qg, w, kg (summary: w, kg)
@@ -305,8 +319,10 @@ class ChunkStatePassSm90:
         self.kernel(tma_qg, tma_qg_t, tma_w, tma_w_t, tma_kg, tma_kg_t, tma_u, tma_u_t, tma_a, tma_a_t,
                     tma_os, tma_os_t, tma_m, tma_m_t, eg, o, initial_state, final_state, tiles, num_tiles,
                     flags, chunks_per_seq, lb_ws, lb_m_k).launch(
-            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
-            use_pdl=self.pdl,
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+            min_blocks_per_mp=2 if self.share else 1, use_pdl=self.pdl,
+            # share: a fixed carveout (all of the SM for shared memory), so compiling needs no device query
+            preferred_smem_carveout=100 if self.share else None,
         )
 
     @cute.kernel
@@ -378,7 +394,7 @@ class ChunkStatePassSm90:
                 self.producer(sched, load, loads, mU.shape[1] // self.u_cols, mEg, sEg, tidx % 32, mFlags,
                               chunks_per_seq, link)
         else:
-            cute.arch.setmaxregister_increase(232)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             if cutlass.const_expr(self.rs):
                 # j (which V block of a pair) is a compile-time constant: a runtime one in the u and o addresses
                 # doubled the chain's time per chunk (H200: 1.06 -> 2.29 us)

@@ -552,7 +552,7 @@ def time_overlap():
     cells = env_cells("OVERLAP_CELLS", "1,16,2048;1,16,4096;1,16,8192;2,8,4096;1,8,8192;4,4,8192")
     raw_default, fold_default, share_default = two_phase.OVERLAP_RAW, two_phase.OVERLAP_FOLD, two_phase.OVERLAP_SHARE
 
-    def setting(overlap, raw, fold=False, share=False):
+    def setting(overlap, raw, fold=False, share="0"):
         la.OVERLAP, two_phase.OVERLAP_RAW, two_phase.OVERLAP_FOLD = overlap, raw, fold
         two_phase.OVERLAP_SHARE = share
 
@@ -561,14 +561,14 @@ def time_overlap():
     settings = [("plain", lambda: setting("0", raw_default, fold_default, share_default)),
                 ("overlap gated", lambda: setting("1", False)), ("overlap raw", lambda: setting("1", True)),
                 ("overlap fold", lambda: setting("1", False, True)),
-                ("overlap share", lambda: setting("1", True, False, True))]
+                ("overlap share", lambda: setting("1", False, False, "1"))]
     wanted = os.environ.get("OVERLAP_SETTINGS", "plain,overlap gated,overlap raw").split(",")
     settings = [s for s in settings if s[0] in wanted]
 
     def model(op, B, H, T):
         out = []
-        builds = ((("gated", False, False, False), ("fold", False, True, False)) if op == "kda" else
-                  (("gated", False, False, False), ("raw", True, False, False), ("share", True, False, True)))
+        builds = ((("gated", False, False, "0"), ("fold", False, True, "0")) if op == "kda" else
+                  (("gated", False, False, "0"), ("raw", True, False, "0"), ("share", False, False, "1")))
         for label, raw, fold, share in builds:
             setting("auto", raw, fold, share)
             us = two_phase.predicted_overlap_us(Problem.fixed(B, T, H), op == "kda", 132)

@@ -558,7 +558,7 @@ def test_overlapped_path_matches_reference(kda, raw, fold, share, B, T, H, with_
     monkeypatch.setattr(two_phase, "OVERLAP_FOLD", fold)
     monkeypatch.setattr(two_phase, "_POISON_PREP", True)
     monkeypatch.setattr(two_phase, "OVERLAP_RAW", raw)
-    monkeypatch.setattr(two_phase, "OVERLAP_SHARE", share)
+    monkeypatch.setattr(two_phase, "OVERLAP_SHARE", "1" if share else "0")
     monkeypatch.setattr(two_phase, "GDN_RAW_QK", raw)
     monkeypatch.setattr(two_phase, "PREP_TMA_OUT", False)
     if not raw:
@@ -1075,10 +1075,11 @@ def test_overlap_plan_and_choice(monkeypatch):
 
 
 def test_overlap_share_plan(monkeypatch):
-    """OVERLAP_SHARE (CPU, kernels stubbed): GDN's raw overlapped build puts one phase-1 CTA beside each state CTA
-    (3 x (SMs - state CTAs) + state CTAs), with the state pass's `share` build (two ring stages); without it the
-    raw build keeps 3 x (SMs - state CTAs) and three stages; KDA (no raw build) is unaffected; the model gives the
-    shared build more phase-1 CTAs, so a phase-1-bound call (B*H = 32, T = 8192) is predicted faster."""
+    """OVERLAP_SHARE (CPU, kernels stubbed): GDN's shared overlapped build puts one phase-1 CTA beside each state
+    CTA (3 x (SMs - state CTAs) + state CTAs) with the state pass's `share` build (two ring stages); the raw build
+    keeps 3 x (SMs - state CTAs) and three stages; KDA always runs the gated build. "auto" takes the shared build
+    where the model says phase 1 bounds the call (B*H = 32, T = 8192: predicted faster than both), not where the
+    chain does (B*H = 16, T = 8192: the gated build's one CTA per free SM already keeps up)."""
     from schedulers import Problem
 
     compiled = []
@@ -1087,18 +1088,26 @@ def test_overlap_share_plan(monkeypatch):
     monkeypatch.setattr(two_phase, "compile_state_pass",
                         lambda *a, **kw: compiled.append(kw) or PrepEmulator(False, None))
     monkeypatch.setattr(two_phase, "GDN_RAW_QK", True)
-    monkeypatch.setattr(two_phase, "OVERLAP_RAW", True)
     cpu = torch.device("cpu")
     predicted = {}
-    for share in (False, True):
+    for raw, share, build in ((False, "0", "gated"), (True, "0", "raw"), (False, "1", "share")):
+        monkeypatch.setattr(two_phase, "OVERLAP_RAW", raw)
         monkeypatch.setattr(two_phase, "OVERLAP_SHARE", share)
         plan = two_phase.overlap_plan(2, 8192, 16, False, torch.bfloat16, torch.bfloat16, False, False, cpu, 132)
-        assert plan.share == share and plan.state_ctas == 64
-        assert plan.prep_ctas == (3 * 68 + 64 if share else 3 * 68)
-        assert compiled[-1]["share"] == share and compiled[-1]["num_stages"] == (2 if share else 3)
-        predicted[share] = two_phase.predicted_overlap_us(Problem.fixed(2, 8192, 16), False, 132)
-        assert not two_phase.overlap_share(True)   # KDA's overlapped path has no raw build
-    assert predicted[True] < 0.9 * predicted[False], predicted
+        assert plan.build == build and plan.share == (build == "share") and plan.state_ctas == 64
+        assert plan.prep_ctas == {"gated": 68, "raw": 3 * 68, "share": 3 * 68 + 64}[build]
+        if build != "gated":
+            assert compiled[-1]["share"] == (build == "share")
+            assert compiled[-1]["num_stages"] == (2 if build == "share" else 3)
+        predicted[build] = two_phase.predicted_overlap_us(Problem.fixed(2, 8192, 16), False, 132)
+        assert two_phase.overlap_build(Problem.fixed(2, 8192, 16), True, 132) == "gated"   # KDA
+    assert predicted["share"] < 0.9 * min(predicted["raw"], predicted["gated"]), predicted
+    monkeypatch.setattr(two_phase, "OVERLAP_RAW", False)
+    monkeypatch.setattr(two_phase, "OVERLAP_SHARE", "auto")
+    assert two_phase.overlap_build(Problem.fixed(2, 8192, 16), False, 132) == "share"
+    assert two_phase.overlap_build(Problem.fixed(1, 8192, 16), False, 132) == "gated"
+    monkeypatch.setattr(two_phase, "GDN_RAW_QK", False)   # the shared build is the raw kernels'
+    assert two_phase.overlap_build(Problem.fixed(2, 8192, 16), False, 132) == "gated"
 
 
 def test_auto_path_choice(monkeypatch):

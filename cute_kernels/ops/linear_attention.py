@@ -167,9 +167,9 @@ class PathChoice:
 
     def __init__(self, two_phase: bool, num_segments: int, num_seqs: int, two_phase_us: float,
                  fused_us: float | None = None, fused=None, eager_two_phase: bool | None = None,
-                 overlap: bool = False):
+                 overlap: str = ""):
         self.two_phase, self.num_segments, self.num_seqs = two_phase, num_segments, num_seqs
-        self.overlap = overlap   # the two-phase path runs overlapped (OVERLAP; one segment)
+        self.overlap = overlap   # the two-phase path runs overlapped (OVERLAP; one segment): its build, else ""
         self.two_phase_us, self.fused_us, self.fused = two_phase_us, fused_us, fused
         # the path of a call outside CUDA-graph capture, where the host's time per call may be the longer one
         self.eager_two_phase = two_phase if eager_two_phase is None else eager_two_phase
@@ -178,7 +178,7 @@ class PathChoice:
         """Which path ran (`ran_two_phase`; default: the GPU-time choice) and why."""
         ran = self.two_phase if ran_two_phase is None else ran_two_phase
         pred = f"predicted GPU time: two-phase {self.two_phase_us:.0f} us (" + (
-            "overlapped: phase 1 and the state pass at once" if self.overlap
+            f"overlapped, {self.overlap} build: phase 1 and the state pass at once" if self.overlap
             else f"state pass in {self.num_segments} segments") + ")"
         if self.fused_us is not None:
             pred += f", fused {self.fused_us:.0f} us; two-phase needs < {TWO_PHASE_MARGIN:.0%} of fused"
@@ -380,12 +380,12 @@ def _two_phase_segments(scheduler, B, T, H, cu, device, kda: bool, init: bool) -
         forced = getattr(scheduler, "num_segments", None) if isinstance(scheduler, SegmentScheduler) else None
         n = forced or two_phase.plan_num_segments(problem, kda, init, sms, link)
         t2 = two_phase.predicted_us(problem, [n] * problem.num_seqs, kda, init, sms, link)
-        overlap = False
+        overlap = ""   # or the overlapped path's build (`two_phase.overlap_build`)
         # "auto" never overrides a segment count the caller forced (SegmentScheduler(num_segments=n))
         if OVERLAP != "0" and cu is None and two_phase.overlap_fits(B, H, sms) and (forced is None or OVERLAP == "1"):
             t_ov = two_phase.predicted_overlap_us(problem, kda, sms)
             if OVERLAP == "1" or t_ov < OVERLAP_MARGIN * t2:
-                overlap, n, t2 = True, 1, t_ov
+                overlap, n, t2 = two_phase.overlap_build(problem, kda, sms), 1, t_ov
         if mode == "1":
             choice = PathChoice(True, n, problem.num_seqs, t2, overlap=overlap)
         else:

@@ -939,7 +939,7 @@ class OverlapPlan:
     Flags: int32 per (sequence, chunk, head), 0 between calls (each of the V / 64 state CTAs of a head takes one
     count back); one set per plan, so a plan must not run on two streams at once.
 
-    Two builds:
+    Three builds (`overlap_build`):
     - gated (KDA; GDN with OVERLAP_RAW off): phase 1 with one CTA per SM on `sms - state CTAs` CTAs, launched
       first: the state CTAs then find the SMs it leaves free. KDA with OVERLAP_FOLD: phase 1 is KDA_FOLD's build
       (no v load, no u product; qg, exp(G) k, W2, A1), and the state pass reads the call's v as u.
@@ -950,8 +950,9 @@ class OverlapPlan:
       phase 1 follows on the same stream as its programmatic dependent (`ChunkPrepSm90(secondary=True)`): it
       starts once every state CTA holds its SM, fills the others, and ends only after the state pass. The order
       is then the same eagerly and in a CUDA graph (two streams would leave a graph free to start either first).
-      With OVERLAP_SHARE the state pass is its `share` build (two ring stages, launched with 128 registers per
-      thread): one phase-1 CTA fits beside each state CTA, so phase 1 runs on 3 x (sms - state CTAs) + state CTAs.
+    - share (GDN with OVERLAP_SHARE, `overlap_build`): the raw build, but the state pass is its `share` build (two
+      ring stages, launched with 128 registers per thread): one phase-1 CTA fits beside each state CTA, so phase 1
+      runs on 3 x (sms - state CTAs) + state CTAs.
 
     Deadlock freedom: phase 1 never waits on the state pass before its end, and the state grid stays at or
     below half the SMs (`overlap_fits`), so every state CTA becomes resident and phase 1 always has SMs to run
@@ -968,17 +969,17 @@ class OverlapPlan:
         if not overlap_fits(B, H, sms):
             raise ValueError(f"overlapped path: {2 * B * H} state CTAs need at most half of the {sms} SMs")
         self.shape, self.kda, self.device = (B, T, H), kda, device
-        self.raw = overlap_raw(kda)
-        self.fold = overlap_fold(kda)
         problem = _problem(B, T, H, None)
+        self.build = overlap_build(problem, kda, sms)
+        self.raw, self.share = self.build in ("raw", "share"), self.build == "share"
+        self.fold = overlap_fold(kda)
         self.chunks_per_seq = problem.chunks[0]
         state = schedule_from_segmentation(_problem(B, T, H, None, num_blocks=2),
                                            Segmentation([split_even(c, 1) for c in problem.chunks]), "state-pass")
         prep_seg = Segmentation([split_even(c, c) for c in problem.chunks])   # one chunk per tile
         tiles = schedule_from_segmentation(problem, prep_seg, "prep").tiles
         tiles = sorted(tiles, key=lambda t: (t.chunk_start, t.seq, t.head))   # chunk-major
-        self.share = overlap_share(kda)
-        ctas = max(1, min(len(tiles), overlap_prep_ctas(self.raw, self.share, sms, state.num_tiles)))
+        ctas = max(1, min(len(tiles), overlap_prep_ctas(self.build, sms, state.num_tiles)))
         prep = Schedule(tiles, (ctas, 1, 1), True, prep_seg, "prep-overlap")
         self.flags = torch.zeros(B * self.chunks_per_seq * H, dtype=torch.int32, device=device)
         if self.raw:
@@ -1048,11 +1049,6 @@ def _side_stream(device):
 OVERLAP_RAW = os.environ.get("CUTE_KERNELS_OVERLAP_RAW", "0") == "1"
 
 
-def overlap_raw(kda: bool) -> bool:
-    """Whether the overlapped path runs the raw kernels (GDN, OVERLAP_RAW, GDN_RAW_QK)."""
-    return not kda and OVERLAP_RAW and GDN_RAW_QK
-
-
 # KDA's overlapped path with KDA_FOLD's phase 1 (`ChunkPrepSm90(publish=True, fold=True)`, row-anchored): the
 # state pass is unchanged (the fold's terms run the plain KDA state pass). Why: with the fold's cheaper phase 1
 # priced (KDA_FOLD_PREP_RATIO), the split plain path took KDA's B*H = 16, T >= 4096 cells from the overlapped one,
@@ -1064,25 +1060,38 @@ def overlap_raw(kda: bool) -> bool:
 OVERLAP_FOLD = os.environ.get("CUTE_KERNELS_OVERLAP_FOLD", "1") == "1"
 
 
-# The raw build with phase 1 on every SM (OVERLAP_SHARE): the state pass's `share` build leaves room for one of
-# phase 1's trio CTAs beside each state CTA (before, its three ring stages and 232 registers per thread held the
-# whole SM -- 59 K of 64 K registers; the notes' "no gain without co-residency", session 10). At B*H = 32 the
-# raw build then has 268 phase-1 CTAs instead of 204. Off until measured.
-OVERLAP_SHARE = os.environ.get("CUTE_KERNELS_OVERLAP_SHARE", "0") == "1"
+# The raw build with phase 1 on every SM (OVERLAP_SHARE, GDN with GDN_RAW_QK): the state pass's `share` build
+# leaves room for one of phase 1's trio CTAs beside each state CTA (before, its three ring stages and 232 registers
+# per thread held the whole SM -- 59 K of 64 K registers; the notes' "no gain without co-residency", session 10).
+# At B*H = 32 phase 1 then has 268 CTAs instead of the raw build's 204 (the gated build's 68). "1": GDN's
+# overlapped path always runs it; "auto": where its prediction beats the gated build's (phase-1-bound calls);
+# "0" (default until measured): never.
+OVERLAP_SHARE = os.environ.get("CUTE_KERNELS_OVERLAP_SHARE", "0")
 
 
-def overlap_share(kda: bool) -> bool:
-    """Whether the overlapped path's raw build shares the state CTAs' SMs with phase 1 (OVERLAP_SHARE)."""
-    return overlap_raw(kda) and OVERLAP_SHARE
+def overlap_build(problem, kda: bool, sms: int) -> str:
+    """Which build the overlapped path runs for `problem` (fixed length): "gated" (KDA always; phase 1 one CTA per
+    SM the state pass leaves), "raw" (OVERLAP_RAW: three per SM there) or "share" (OVERLAP_SHARE: the raw build
+    plus one phase-1 CTA beside each state CTA)."""
+    if kda or not GDN_RAW_QK:
+        return "gated"
+    if OVERLAP_SHARE == "1":
+        return "share"
+    if OVERLAP_RAW:
+        return "raw"
+    if OVERLAP_SHARE == "auto":
+        faster = predicted_overlap_us(problem, kda, sms, "share") < predicted_overlap_us(problem, kda, sms, "gated")
+        return "share" if faster else "gated"
+    return "gated"
 
 
-def overlap_prep_ctas(raw: bool, share: bool, sms: int, state_ctas: int) -> int:
-    """Phase-1 CTAs of the overlapped path (before the cap at its tile count): one per SM the state pass leaves
-    (gated build), three (raw), and with `share` one more beside each state CTA."""
+def overlap_prep_ctas(build: str, sms: int, state_ctas: int) -> int:
+    """Phase-1 CTAs of `build`'s overlapped path (before the cap at its tile count): one per SM the state pass
+    leaves (gated), three (raw), and with `share` one more beside each state CTA."""
     free = max(1, sms - state_ctas)
-    if not raw:
+    if build == "gated":
         return free
-    return 3 * free + (state_ctas if share else 0)
+    return 3 * free + (state_ctas if build == "share" else 0)
 
 
 def overlap_fold(kda: bool) -> bool:
@@ -1123,20 +1132,20 @@ OVERLAP_SHARE_PREP_CHUNK_US = 14.0
 OVERLAP_SHARE_CHAIN_CHUNK_US = 1.8
 
 
-def predicted_overlap_us(problem, kda: bool, slots: int) -> float:
+def predicted_overlap_us(problem, kda: bool, slots: int, build: str | None = None) -> float:
     """Predicted GPU time of the overlapped path (fixed length, one segment): phase 1's one-chunk tiles on the
     SMs the state CTAs leave (one CTA per SM; the raw build three), and the state chain, which can start a chunk
     only once phase 1 has published it: max(phase 1 + the last chunk's chain step, first chunk + chain),
     per-chunk costs as measured with both running (`prep_chunk_us(overlapped=True)`, OVERLAP_CHAIN_CHUNK_US; the
-    raw build's OVERLAP_RAW_*)."""
+    raw build's OVERLAP_RAW_*, the shared build's OVERLAP_SHARE_*). `build`: the one `overlap_build` picks."""
     from schedulers.heuristics import makespan
 
     H = problem.num_heads
-    raw, share = overlap_raw(kda), overlap_share(kda)
-    free = overlap_prep_ctas(raw, share, slots, 2 * problem.num_seqs * H)
-    if share:
+    build = overlap_build(problem, kda, slots) if build is None else build
+    free = overlap_prep_ctas(build, slots, 2 * problem.num_seqs * H)
+    if build == "share":
         prep_us, chunk_us = OVERLAP_SHARE_PREP_CHUNK_US, OVERLAP_SHARE_CHAIN_CHUNK_US
-    elif raw:
+    elif build == "raw":
         prep_us, chunk_us = OVERLAP_RAW_PREP_CHUNK_US, OVERLAP_RAW_CHAIN_CHUNK_US
     else:
         prep_us, chunk_us = prep_chunk_us(kda, overlapped=True), OVERLAP_CHAIN_CHUNK_US[kda]

@@ -549,7 +549,8 @@ def test_overlapped_path_matches_reference(kda, raw, fold, share, B, T, H, with_
     reference, bitwise equal to itself and to the plain two-phase path (same math, only the timing differs), every
     flag back at 0. The plain path runs the same arithmetic here: for the gated builds GDN_RAW_QK off (the raw
     kernels round differently), PREP_TMA_OUT off (KDA's TMA stores keep q scaled in bf16, the thread stores scale
-    in fp32) and PREP_SOLVE_MMA off (GDN's gated publish build is not slim, so it has no tf32 solve). `fold`
+    in fp32), PREP_SOLVE_MMA off (GDN's gated publish build is not slim, so it has no tf32 solve) and GDN_FOLD
+    off (the raw overlapped build keeps w and u; with the fold the plain path rounds differently). `fold`
     (KDA): both paths with KDA_FOLD's phase 1 (OVERLAP_FOLD); without it, both keep w and u (KDA_FOLD off).
     `share` (raw): the state pass's `share` build with a phase-1 CTA beside each state CTA (OVERLAP_SHARE)."""
     import cute_kernels.ops.linear_attention as la
@@ -561,6 +562,7 @@ def test_overlapped_path_matches_reference(kda, raw, fold, share, B, T, H, with_
     monkeypatch.setattr(two_phase, "OVERLAP_SHARE", "1" if share else "0")
     monkeypatch.setattr(two_phase, "GDN_RAW_QK", raw)
     monkeypatch.setattr(two_phase, "PREP_TMA_OUT", False)
+    monkeypatch.setattr(two_phase, "GDN_FOLD", False)   # the raw overlapped build keeps w and u (the plain path too)
     if not raw:
         monkeypatch.setattr(two_phase, "PREP_SOLVE_MMA", False)
     gen = torch.Generator().manual_seed(300 + B * T + H + kda)

@@ -76,9 +76,10 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     as its programmatic dependent (`use_pdl`): the grid starts once every state CTA has passed its
     `griddepcontrol.wait` (so the stream's earlier kernels are complete) and signalled
     `griddepcontrol.launch_dependents` (so the state CTAs hold their SMs first, and this grid fills the others).
-    It does not wait at its start (the state pass waits for it, through the flags); every thread runs
+    It does not wait at its start (the state pass waits for it, through the flags); CTA 0 runs
     `griddepcontrol.wait` at its end instead, so this grid completes only after the state pass: the stream's
-    later kernels then find both complete.
+    later kernels then find both complete. The other CTAs exit when their tiles are done, so a CTA that found no
+    room at launch still runs once one ends: no deadlock whatever the residency.
 
     `row_anchors` (KDA, with `vec_elementwise`): the fast path's Akk / Aqk in the row-anchored form
     (`cute_kernels/reference/kda_intra.py`, form "rows"): one 16-byte-vector pass over the chunk forms the left
@@ -347,8 +348,12 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
                                    ((tma_qg, mQgT), (tma_kg, mKgT), (tma_w, mWT), (tma_u, mUT), (tma_a, mAT)))
         if cutlass.const_expr(self.secondary):
             # this grid ends only after the state pass it was launched beside: the stream's next kernels may then
-            # rely on both being complete
-            cute.arch.griddepcontrol_wait()
+            # rely on both being complete. One CTA waiting is enough for that; the others exit at once, so a CTA of
+            # this grid that found no room at launch gets one as soon as another ends (were every CTA to wait
+            # here, one left out would deadlock the state CTAs that wait on its chunks).
+            bid, _, _ = cute.arch.block_idx()
+            if bid == 0:
+                cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def prep_consumer(self, sched, load, j, ctid, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st, mFlags,

@@ -1126,8 +1126,10 @@ OVERLAP_CHAIN_CHUNK_US = {False: 1.45, True: 1.45}
 # (plain 300.1: phase 1 on the 68 SMs the 64 state CTAs leave is as long as the two phases in turn).
 OVERLAP_RAW_PREP_CHUNK_US = 14.0
 OVERLAP_RAW_CHAIN_CHUNK_US = 1.5
-# OVERLAP_SHARE (estimates, not measured): phase 1 as the raw build's; the chain slower with a phase-1 CTA on its
-# own SM (two ring stages instead of three, and the SM's issue slots shared).
+# OVERLAP_SHARE (estimates written before any run): phase 1 as the raw build's; the chain slower with a phase-1
+# CTA on its own SM (two ring stages instead of three, and the SM's issue slots shared). Measured once (session
+# 28, H100, GDN B=2 H=16 T=4096): 194.0 us against these estimates' 133 (the raw build 167.3), so "auto" would
+# choose it wrongly today; OVERLAP_SHARE stays "0" until it is understood (NOTES, session 28).
 OVERLAP_SHARE_PREP_CHUNK_US = 14.0
 OVERLAP_SHARE_CHAIN_CHUNK_US = 1.8
 

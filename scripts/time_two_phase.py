@@ -556,8 +556,9 @@ def time_overlap():
         la.OVERLAP, two_phase.OVERLAP_RAW, two_phase.OVERLAP_FOLD = overlap, raw, fold
         two_phase.OVERLAP_SHARE = share
 
-    # GDN's overlapped path in both builds (gated: phase 1 one CTA per SM; raw, OVERLAP_RAW: three per SM); KDA's
-    # gated build with and without KDA_FOLD's phase 1 (OVERLAP_FOLD). OVERLAP_SETTINGS picks them by label.
+    # GDN's overlapped path in its three builds (gated: phase 1 one CTA per SM; raw, OVERLAP_RAW: three per SM;
+    # share, OVERLAP_SHARE: and one beside each state CTA); KDA's gated build with and without KDA_FOLD's phase 1
+    # (OVERLAP_FOLD). OVERLAP_SETTINGS picks them by label.
     settings = [("plain", lambda: setting("0", raw_default, fold_default, share_default)),
                 ("overlap gated", lambda: setting("1", False)), ("overlap raw", lambda: setting("1", True)),
                 ("overlap fold", lambda: setting("1", False, True)),

@@ -1081,7 +1081,8 @@ def test_overlap_share_plan(monkeypatch):
     CTA (3 x (SMs - state CTAs) + state CTAs) with the state pass's `share` build (two ring stages); the raw build
     keeps 3 x (SMs - state CTAs) and three stages; KDA always runs the gated build. "auto" takes the shared build
     where the model says phase 1 bounds the call (B*H = 32, T = 8192: predicted faster than both), not where the
-    chain does (B*H = 16, T = 8192: the gated build's one CTA per free SM already keeps up)."""
+    chain does (B*H = 16, T = 8192: the gated build's one CTA per free SM already keeps up) -- by the model's
+    estimates, which the one measurement (session 28) contradicts; that is why the default is "0"."""
     from schedulers import Problem
 
     compiled = []

@@ -951,8 +951,9 @@ class OverlapPlan:
       starts once every state CTA holds its SM, fills the others, and ends only after the state pass. The order
       is then the same eagerly and in a CUDA graph (two streams would leave a graph free to start either first).
     - share (GDN with OVERLAP_SHARE, `overlap_build`): the raw build, but the state pass is its `share` build (two
-      ring stages, launched with 128 registers per thread): one phase-1 CTA fits beside each state CTA, so phase 1
-      runs on 3 x (sms - state CTAs) + state CTAs.
+      ring stages, launched with 128 registers per thread): by the count one phase-1 CTA fits beside each state
+      CTA, so phase 1 runs on 3 x (sms - state CTAs) + state CTAs (whether they co-reside on the GPU is open: the
+      one measurement, session 28, was slower than the raw build).
 
     Deadlock freedom: phase 1 never waits on the state pass before its end, and the state grid stays at or
     below half the SMs (`overlap_fits`), so every state CTA becomes resident and phase 1 always has SMs to run
@@ -1065,7 +1066,7 @@ OVERLAP_FOLD = os.environ.get("CUTE_KERNELS_OVERLAP_FOLD", "1") == "1"
 # per thread held the whole SM -- 59 K of 64 K registers; the notes' "no gain without co-residency", session 10).
 # At B*H = 32 phase 1 then has 268 CTAs instead of the raw build's 204 (the gated build's 68). "1": GDN's
 # overlapped path always runs it; "auto": where its prediction beats the gated build's (phase-1-bound calls);
-# "0" (default until measured): never.
+# "0" (default): never -- measured 16% slower than the raw build on an H100 (session 28; below).
 OVERLAP_SHARE = os.environ.get("CUTE_KERNELS_OVERLAP_SHARE", "0")
 
 

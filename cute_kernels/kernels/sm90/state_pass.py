@@ -111,8 +111,9 @@ class ChunkStatePassSm90:
     phase 1's three-per-SM CTAs (`ChunkPrepSm90(trio=True)`, 288 threads x 72 registers, ~76 KB): compiled for
     two CTAs per SM (128 registers per thread at launch, 32 K of the SM's 64 K) and the consumer warpgroup raised
     to 216 only (the producer's 128 - 40 cover its 216 - 128), two stages (~134 KB of shared memory). The
-    overlapped path's raw build (`OverlapPlan`, OVERLAP_SHARE) then runs phase 1 on every SM: one CTA beside
-    each state CTA and three on the SMs the state pass leaves.
+    overlapped path's raw build (`OverlapPlan`, OVERLAP_SHARE, off) then runs phase 1 on every SM: one CTA
+    beside each state CTA and three on the SMs the state pass leaves -- by the count of registers and shared
+    memory; measured slower than the raw build (session 28), and whether the CTAs co-reside is open.
 
     `profile` (rs, diagnostics only): the consumer sums clock64 cycles per phase of every chunk -- (0) exp(G_last)
     load and ring wait, (1) first products and their wait, (2) subtraction and conversion of v_new, (4) second

@@ -312,3 +312,48 @@ def test_select_cells_lists_and_ranges():
     assert select_cells(todo, "-1") == [119]
     with pytest.raises(SystemExit):
         select_cells(todo, "20")
+
+
+def test_targets_against_the_floors(tmp_path):
+    """benchmarks.targets: target = peer / k on the cells the target covers, set beside the memory floor (bytes at
+    the copy bandwidth) and the table floor; numbers checked by hand for one GDN cell."""
+    from benchmarks import report, targets
+    from benchmarks.roofline import Ceilings
+
+    # GDN B=4 H=8 T=16384: tokens x heads = 524288; bytes = 524288 x (3 x 256 + 2 + 4 + 256) + 32 x 128 x 128 x 4
+    tokens = 4 * 16384 * 8
+    nbytes = tokens * (3 * 256 + 2 + 4 + 256) + 32 * 128 * 128 * 4
+    mem_us = nbytes / 4.2e12 * 1e6
+    assert abs(mem_us - 129.1) < 0.1
+    comp_us = 32 * 256 * roofline.chunk_flops() / 729e12 * 1e6
+    assert comp_us > mem_us   # compute binds the table floor here, just
+    extra = {"peer_graph_us": 1053.4, "ours_graph_us": 570.9}
+    rows = [
+        {"op": "gdn", "B": 4, "H": 8, "T": 16384, "ours_us": 600.0, "peer_us": 1100.0, "peer": "fla", "extra": extra},
+        {"op": "gdn", "B": 4, "H": 8, "T": 512, "ours_us": 30.0, "peer_us": 60.0, "peer": "fla", "extra": {}},
+        {"op": "gdn", "B": 4, "H": 16, "T": 4096, "ours_us": 250.0, "peer_us": 480.0, "peer": "fla", "extra": {}},
+    ]
+    eight, three = targets.TARGETS
+    t8 = targets.target_rows(rows, eight, Ceilings())
+    assert [(t["B"], t["H"], t["T"]) for t in t8] == [(4, 8, 16384)]    # B*H = 64 and T = 512 are not 8x cells
+    t = t8[0]
+    assert t["target_us"] == 1053.4 / 8                                 # the graph time, not the do_bench one
+    assert abs(t["target_over_mem_floor"] - 1053.4 / 8 / mem_us) < 1e-9
+    assert abs(t["target_over_floor"] - 1053.4 / 8 / comp_us) < 1e-9 and t["target_over_floor"] < 1.0
+    assert abs(t["ours_over_target"] - 570.9 / (1053.4 / 8)) < 1e-9
+    t3 = targets.target_rows(rows, three, Ceilings())
+    assert [(t["B"], t["H"], t["T"]) for t in t3] == [(4, 8, 16384), (4, 16, 4096)]
+    assert t3[1]["target_us"] == 160.0 and t3[1]["ours_over_target"] == 250.0 / 160.0   # do_bench times both sides
+    # halving the bandwidth doubles the memory floor
+    slow = targets.target_rows(rows, eight, Ceilings(bytes_per_s=2.1e12))[0]
+    assert abs(slow["target_over_mem_floor"] * 2 - t["target_over_mem_floor"]) < 1e-9
+    # the CLI: summary lines and tables, written to --out
+    src = report.write_json(tmp_path / "r.json", {"op": "gdn", "grid": "seed", "device": "NVIDIA H200",
+                                                  "ceilings": Ceilings().as_dict(), "sm_count": 132}, rows)
+    out = tmp_path / "t.txt"
+    assert targets.main([str(src), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "8x (B*H <= 32, T >= 4096): 1 cells, met at 0." in text
+    assert "within 1.25x of the memory floor" in text and "B=4 H=8 T=16384" in text
+    assert "0.99!" in text          # below the table floor is marked
+    assert "3x (T >= 1024): 2 cells, met at 0." in text

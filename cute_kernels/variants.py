@@ -210,6 +210,15 @@ def _variants() -> list[Variant]:
                     + (("cp.async.bulk.tensor.3d.global.shared::cta",) if tma else ()),
                     archs=("sm_90a",),
                 ))
+            # KDA_FOLD's phase 1 with a two-stage q / k ring (KDA_PREP_STAGES=2): two full and two empty barriers
+            out.append(Variant(
+                op, f"{tag}_chunk_prep_sm90_bfloat16_fold_stages2",
+                lambda d: compile_chunk_prep(torch.bfloat16, torch.bfloat16, True, dump_dir=d, pdl=True,
+                                             tma_out=True, solve_mma=True, fold=True, stages=2),
+                ptx_must_have=("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v4",
+                               "cp.async.bulk.tensor.3d.global.shared::cta") + mma,
+                archs=("sm_90a",),
+            ))
             # the overlapped path's phase 1 with KDA_FOLD's terms (OVERLAP_FOLD): publishing, stored by threads
             out.append(Variant(
                 op, f"{tag}_chunk_prep_sm90_bfloat16_fold_publish",

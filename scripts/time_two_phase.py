@@ -580,9 +580,10 @@ def time_overlap():
     time_op_settings(os.environ.get("OVERLAP_OPS", "gdn,kda").split(","), cells, settings,
                      lambda: setting("auto", raw_default, fold_default, share_default), model)
 
-def prep_ab(op, cells, setting, labels, chunks_per_tile=None, slots_per_sm=None):
-    """Phase 1 alone (graph replay) with the module setting `two_phase.<setting>` off, then on, per cell (the same
-    tiles when `chunks_per_tile` is given); `slots_per_sm` (off, on) adds us per chunk per CTA at that occupancy."""
+def prep_ab(op, cells, setting, labels, chunks_per_tile=None, slots_per_sm=None, values=(False, True)):
+    """Phase 1 alone (graph replay) with the module setting `two_phase.<setting>` off, then on (`values`), per cell
+    (the same tiles when `chunks_per_tile` is given); `slots_per_sm` (off, on) adds us per chunk per CTA at that
+    occupancy."""
     default = getattr(two_phase, setting)
     kda = op == "kda"
     for B, H, T in cells:
@@ -590,7 +591,7 @@ def prep_ab(op, cells, setting, labels, chunks_per_tile=None, slots_per_sm=None)
         args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
         line = []
         for on in (False, True):
-            setattr(two_phase, setting, on)
+            setattr(two_phase, setting, values[on])
             t = graph_us(lambda: two_phase.chunk_prep(*args, kda=kda, chunks_per_tile=chunks_per_tile))
             per = (f" ({t * 132 * slots_per_sm[on] / (B * H * -(-T // 64)):.2f} us/chunk/CTA)" if slots_per_sm
                    else "")
@@ -600,10 +601,11 @@ def prep_ab(op, cells, setting, labels, chunks_per_tile=None, slots_per_sm=None)
         print(f"{op} prep B={B} H={H} T={T}{tiles}: " + " | ".join(line), flush=True)
 
 
-def op_ab(op_names, cells, setting, labels):
-    """The op beside FLA (`time_op_settings`) with the module setting `two_phase.<setting>` off, then on."""
+def op_ab(op_names, cells, setting, labels, values=(False, True)):
+    """The op beside FLA (`time_op_settings`) with the module setting `two_phase.<setting>` off, then on
+    (`values`)."""
     default = getattr(two_phase, setting)
-    settings = [(labels[on], lambda on=on: setattr(two_phase, setting, on)) for on in (False, True)]
+    settings = [(labels[on], lambda on=on: setattr(two_phase, setting, values[on])) for on in (False, True)]
     time_op_settings(op_names, cells, settings, lambda: setattr(two_phase, setting, default))
 
 
@@ -613,6 +615,17 @@ def time_raw():
     cells = env_cells("RAW_CELLS", "1,4,4096;1,4,16384;1,16,2048;2,16,8192")
     prep_ab("gdn", cells, "GDN_RAW_QK", ("gated", "raw"))
     op_ab(["gdn"], cells, "GDN_RAW_QK", ("gated", "raw"))
+
+
+def time_kda_stages():
+    """KDA_FOLD's phase 1 with one q / k stage against two (KDA_PREP_STAGES 1 / 2): phase 1 alone (graph replay;
+    the plan's tiles, then two-chunk tiles), then the op beside FLA under both. STAGES_CELLS="B,H,T;..." picks the
+    cells. Prediction (session 29): phase 1 -5..-8% (the step-1 wait, ~1.9k of ~25k cycles per chunk, mostly
+    hidden), the op -3..-5% where phase 1 is most of it."""
+    cells = env_cells("STAGES_CELLS", "1,4,16384;2,16,8192;2,16,1024;16,64,4096")
+    for cpt in (None, 2):
+        prep_ab("kda", cells, "KDA_PREP_STAGES", ("1 stage", "2 stages"), chunks_per_tile=cpt, values=(1, 2))
+    op_ab(["kda"], cells, "KDA_PREP_STAGES", ("1 stage", "2 stages"), values=(1, 2))
 
 
 def time_trio():
@@ -697,7 +710,7 @@ def time_fold_chain():
                       f"v_new {cyc[2]:.0f}, issue 2+o {cyc[3]:.0f}, update wait {cyc[4]:.0f}", flush=True)
 
 
-MODES = {"kda-fold": time_kda_fold, "one-pass": time_one_pass, "lookback": time_lookback, "pair-auto": time_pair_auto, "fold-chain": time_fold_chain, "fold": time_fold, "balance": time_balance, "solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
+MODES = {"kda-stages": time_kda_stages, "kda-fold": time_kda_fold, "one-pass": time_one_pass, "lookback": time_lookback, "pair-auto": time_pair_auto, "fold-chain": time_fold_chain, "fold": time_fold, "balance": time_balance, "solve-mma": time_solve_mma, "trio": time_trio, "raw": time_raw, "overlap": time_overlap, "phases": time_phases, "merge": time_merge, "pdl": time_pdl, "pair": time_pair, "paths": time_paths, "prep-profile": time_prep_profile,
          "prep": time_prep, "state": time_state, "chain": time_chain}
 
 

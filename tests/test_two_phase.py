@@ -323,6 +323,73 @@ def test_kda_prep_fold_matches_torch_prep(tma_out, B, T, H, monkeypatch):
         assert rel_err(got.eg.flatten(0, 1)[rows], want.eg.flatten(0, 1)[rows]) <= 1e-5
 
 
+def test_kda_prep_stages_option(monkeypatch):
+    """`ChunkPrepSm90(stages=2)`: KDA's fold build only; its shared memory (a second q / k stage, no v tile, the
+    solve's scratch over the band factors) fits the 227 KB a CTA may have; compile_chunk_prep takes KDA_PREP_STAGES
+    for the plain path's fold build and 1 for the overlapped one's."""
+    from cute_kernels.runtime.arch import import_cutlass
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
+    cutlass = import_cutlass()
+    from cute_kernels.kernels.sm90.chunk_prep import ChunkPrepSm90
+
+    bf = cutlass.BFloat16
+    rows = dict(kda=True, vec_elementwise=True, row_anchors=True, tma_out=True, solve_mma=True)
+    sizes = {}
+    for stages in (1, 2):
+        k = ChunkPrepSm90(bf, bf, fold=True, stages=stages, **rows)
+        k.set_rows_shared_storage()
+        assert k.num_stages == stages and k.tma_bytes == 2 * 64 * 128 * 2   # q and k tiles only
+        sizes[stages] = k.smem_bytes
+    assert sizes[1] == 219136 and sizes[1] < sizes[2] <= 232448, sizes
+    for bad in (dict(rows, fold=False), dict(rows, row_anchors=False, tma_out=False, solve_mma=False, fold=True),
+                dict(rows, fold=True, stages=3)):
+        with pytest.raises(ValueError, match="stages=|fold is"):
+            ChunkPrepSm90(bf, bf, **{"stages": 2, **bad})
+    with pytest.raises(ValueError, match="stages="):
+        ChunkPrepSm90(bf, bf, slim=True, raw_qk=True, fold=True, stages=2)
+
+
+@requires_sm90
+@pytest.mark.parametrize("B,T,H", [(1, 512, 2), (2, 1000, 3), (1, 4096, 4), (4, 2048, 16)])
+def test_kda_prep_two_stages_equal_one(B, T, H, monkeypatch):
+    """KDA_PREP_STAGES=2 (a two-stage q / k ring for KDA_FOLD's phase 1) changes only the buffering: qg, kE, W2, A1
+    and eg bitwise those of the one-stage build, on tiles of 1, 2 and the plan's chunks mixing fast-path chunks
+    with exact-path ones (every third chunk: channel 5 decays by -6 per step) and partial last chunks;
+    NaN-poisoned outputs, run-to-run bitwise; then the op (1 and 3 segments) bitwise too."""
+    monkeypatch.setattr(two_phase, "KDA_FOLD", True)
+    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
+    gen = torch.Generator().manual_seed(700 + B * T + H)
+    q, k, v, g, beta, init = make(B, T, H, True, gen, dtype=torch.bfloat16, device="cuda")
+    strong = (torch.arange(T, device="cuda") // 64) % 3 == 1
+    g[:, strong, :, 5] = -6.0
+    for chunks_per_tile in (1, 2, None):
+        got = {}
+        for stages in (1, 2):
+            monkeypatch.setattr(two_phase, "KDA_PREP_STAGES", stages)
+            got[stages] = two_phase.chunk_prep(q, k, v, g, beta, kda=True, chunks_per_tile=chunks_per_tile)
+            assert got[stages].fold
+        again = two_phase.chunk_prep(q, k, v, g, beta, kda=True, chunks_per_tile=chunks_per_tile)
+        rows = chunk_last_rows(T, B).cuda()
+        for name in ("qg", "w", "kg", "aqk"):
+            x, y = getattr(got[2], name), getattr(got[1], name)
+            assert not x.isnan().any(), (name, chunks_per_tile)
+            assert torch.equal(x, y), f"{name}: two stages differ from one (chunks per tile {chunks_per_tile})"
+            assert torch.equal(x, getattr(again, name)), f"{name}: run-to-run difference"
+        assert torch.equal(got[2].eg.flatten(0, 1)[rows], got[1].eg.flatten(0, 1)[rows])
+    outs = {}
+    for stages in (1, 2):
+        monkeypatch.setattr(two_phase, "KDA_PREP_STAGES", stages)
+        for n in (1, 3):
+            outs[stages, n] = two_phase.chunk_gated_delta_rule_two_phase(
+                q, k, v, g, beta, initial_state=init, output_final_state=True, kda=True, num_segments=n)
+    for n in (1, 3):
+        (o2, s2), (o1, s1) = outs[2, n], outs[1, n]
+        assert not o2.isnan().any() and not s2.isnan().any()
+        assert torch.equal(o2, o1) and torch.equal(s2, s1), f"op with {n} segments: two stages differ from one"
+
+
 @requires_sm90
 @pytest.mark.parametrize("B,T,H", [(1, 64, 1), (2, 1000, 3), (1, 4096, 4), (8, 1024, 8)])   # the last: trio
 @pytest.mark.parametrize("chunks_per_tile", [1, 2, None])

@@ -164,6 +164,13 @@ GDN_FOLD = os.environ.get("CUTE_KERNELS_GDN_FOLD", "1") == "1"
 # -1..-3% predicted. On by default; CUTE_KERNELS_KDA_FOLD=0 keeps w and u.
 KDA_FOLD = os.environ.get("CUTE_KERNELS_KDA_FOLD", "1") == "1"
 
+# KDA_FOLD's phase 1 with a two-stage q / k ring (`ChunkPrepSm90(stages=2)`: the fold loads no v, so v's 16 KB and
+# the solve's scratch laid over the band factors pay for a second q / k stage; the one-stage build waits ~1.9k of
+# ~25k cycles per chunk for its next q / k tiles). Written in session 29; the terms are bitwise those of the
+# one-stage build (`test_kda_prep_two_stages_equal_one`). The plain path's phase 1 only (not the overlapped one's).
+# CUTE_KERNELS_KDA_PREP_STAGES=2 turns it on; off until timed on a GPU.
+KDA_PREP_STAGES = int(os.environ.get("CUTE_KERNELS_KDA_PREP_STAGES", "1"))
+
 
 def fold_path(kda: bool) -> bool:
     """Whether the two-phase path runs the fold's phase 1. GDN (GDN_FOLD, GDN_RAW_QK's kernels with T folded in):
@@ -264,7 +271,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
                        profile: bool = False, pdl: bool | None = None, publish: bool = False,
                        row_anchors: bool | None = None, tma_out: bool | None = None, raw_qk: bool | None = None,
                        trio: bool | None = None, solve_mma: bool | None = None, secondary: bool = False,
-                       fold: bool = False):
+                       fold: bool = False, stages: int | None = None):
     """Compile phase 1 (`ChunkPrepSm90`) for one configuration (no GPU needed). KDA's `vec` / `prefetch` default
     to the fused kernel's switches (KDA_VEC, KDA_PREFETCH), its `row_anchors` to KDA_ROW_ANCHORS (with `vec`),
     `tma_out` to PREP_TMA_OUT (with `row_anchors`, not `publish`);
@@ -272,7 +279,8 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     PREP_TRIO (with `raw_qk`; not by default with `publish`), `solve_mma` to PREP_SOLVE_MMA (with `slim` or
     `row_anchors`). `publish`: the overlapped path's build (persistent grid, per-chunk flags; see `OverlapPlan`);
     `secondary`: launched as the state pass's programmatic dependent (GDN's raw overlapped path); `fold`: GDN_FOLD's
-    terms (with `raw_qk`) or KDA_FOLD's (with `row_anchors`)."""
+    terms (with `raw_qk`) or KDA_FOLD's (with `row_anchors`); `stages`: the q / k ring depth, 2 only for KDA's fold
+    build (default KDA_PREP_STAGES there without `publish`, else 1)."""
     from ..runtime.compile import DYN, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
     from . import linear_attention as la
 
@@ -285,8 +293,10 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
     raw_qk = slim and ((raw_qk_path(kda) and not publish) if raw_qk is None else raw_qk)
     trio = raw_qk and ((PREP_TRIO and not publish) if trio is None else trio)
     solve_mma = (slim or row_anchors) and (PREP_SOLVE_MMA if solve_mma is None else solve_mma)
+    if stages is None:
+        stages = KDA_PREP_STAGES if (kda and fold and row_anchors and not publish) else 1
     key = ("chunk_prep_sm90", str(io_dtype), str(beta_dtype), kda, vec, prefetch, slim, profile, pdl, publish,
-           row_anchors, tma_out, raw_qk, trio, solve_mma, secondary, fold)
+           row_anchors, tma_out, raw_qk, trio, solve_mma, secondary, fold, stages)
 
     def build():
         from schedulers.problem import NUM_TILE_FIELDS
@@ -300,7 +310,7 @@ def compile_chunk_prep(io_dtype: torch.dtype, beta_dtype: torch.dtype, kda: bool
         kernel = ChunkPrepSm90(io, bt, kda=kda, vec_elementwise=vec, prefetch_gates=prefetch, slim=slim,
                                profile=profile, pdl=pdl, publish=publish, row_anchors=row_anchors,
                                tma_out=tma_out, raw_qk=raw_qk, trio=trio, solve_mma=solve_mma,
-                               secondary=secondary, fold=fold)
+                               secondary=secondary, fold=fold, stages=stages)
         wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
         # KDA's g: 16-byte aligned (the ops check it; row_anchors prefetches it in 16-byte vectors)
         gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if kda else (DYN, DYN, DYN),   # noqa: E731
@@ -395,10 +405,10 @@ _plans: dict = {}
 
 def _cached_plan(cls, *key):
     """cls(*key), built once per key and the kernel switches it compiles with (PREP_SLIM, KDA_ROW_ANCHORS,
-    PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the STATE_* switches of
-    the state pass, the affine-merge variant setting, OVERLAP_RAW, OVERLAP_FOLD, OVERLAP_SHARE)."""
-    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, PREP_TRIO,
-            PREP_SOLVE_MMA, PREP_BALANCE, OVERLAP_RAW, OVERLAP_FOLD, OVERLAP_SHARE,
+    PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, KDA_PREP_STAGES, PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, the
+    STATE_* switches of the state pass, the affine-merge variant setting, OVERLAP_RAW, OVERLAP_FOLD, OVERLAP_SHARE)."""
+    full = (cls, key, PREP_SLIM, KDA_ROW_ANCHORS, PREP_TMA_OUT, GDN_RAW_QK, GDN_FOLD, KDA_FOLD, KDA_PREP_STAGES,
+            PREP_TRIO, PREP_SOLVE_MMA, PREP_BALANCE, OVERLAP_RAW, OVERLAP_FOLD, OVERLAP_SHARE,
             STATE_PASS_RS, STATE_STAGES, STATE_RING_DECAY, STATE_O_TMA, STATE_U_FAST, STATE_PAIR, PDL,
             _merge.AFFINE_MERGE_IMPL)
     plan = _plans.get(full)

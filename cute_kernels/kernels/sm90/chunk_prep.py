@@ -61,6 +61,13 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     16 KB written fewer, and half a product (A1's 64 x 64 x 64 instead of u's 64 x 64 x 128). KDA's fold also
     runs with `publish` (the overlapped path; its terms then leave by the threads' stores).
 
+    `stages` (2: KDA's `fold` only): a two-stage q/k ring. KDA's phase 1 otherwise has one stage (its G tile
+    takes the room), so the next chunk's q / k load starts only at this chunk's release and its latency shows
+    as the step-1 wait (~1.9k of ~25k cycles per chunk, H200 profile, session 14). The fold loads no v, so its
+    16 KB and the solve's scratch (sY, laid over the band factors R1..R3, which are dead once the band products
+    have been read: step 2's last barrier comes before the solve) pay for the second q / k stage (219136 ->
+    231424 bytes). Same arithmetic: the terms are bitwise those of the one-stage build.
+
     `pdl`: every CTA starts with `griddepcontrol.launch_dependents`, so a state pass launched with PDL starts its
     prologue once this grid's last wave has begun (it waits for the whole grid before reading the terms).
 
@@ -111,7 +118,8 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     def __init__(self, io_dtype, beta_dtype, kda: bool = False, vec_elementwise: bool = False,
                  prefetch_gates: bool = False, slim: bool = False, profile: bool = False, pdl: bool = False,
                  publish: bool = False, row_anchors: bool = False, tma_out: bool = False, raw_qk: bool = False,
-                 trio: bool = False, solve_mma: bool = False, secondary: bool = False, fold: bool = False):
+                 trio: bool = False, solve_mma: bool = False, secondary: bool = False, fold: bool = False,
+                 stages: int = 1):
         super().__init__(io_dtype, beta_dtype, False, False, False, kda=kda, mode="forward",
                          vec_elementwise=vec_elementwise, prefetch_gates=prefetch_gates)
         if slim and kda:
@@ -135,6 +143,10 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         if fold:
             self.load_v = False
             self.tma_bytes = 2 * C * 128 * io_dtype.width // 8
+        if stages not in (1, 2) or (stages == 2 and not (kda and fold and row_anchors)):
+            raise ValueError(f"ChunkPrepSm90: stages={stages}; 2 is KDA's fold build's (row_anchors) option")
+        if stages == 2:
+            self.num_stages = 2
         if solve_mma and not (slim or row_anchors):
             raise ValueError("ChunkPrepSm90: solve_mma is the slim (GDN) and row-anchored (KDA) builds' option")
         self.solve_mma = solve_mma
@@ -255,13 +267,18 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         later), the channel factors and the anchors' 2^G (sC [10, 128], see `kda_gates`)."""
         io = self.io_dtype
         n_y = SOLVE_Y_MMA if self.solve_mma else SOLVE_Y
+        ns = self.num_stages
+        # two stages (KDA's fold): no v tile (a 16-byte stub: the field stays, nothing reads it) and sY lives in
+        # the band factors' bytes (`prep_consumer`), so a second q / k stage fits
+        v_elems = C * 128 if ns == 1 else 8
+        y_elems = n_y if ns == 1 else 4
 
         @cute.struct
         class RowsStorage:
-            load_mbar: cute.struct.MemRange[cutlass.Int64, 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]
+            load_mbar: cute.struct.MemRange[cutlass.Int64, 2 * ns]
+            sQ: cute.struct.Align[cute.struct.MemRange[io, C * 128 * ns], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[io, C * 128 * ns], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[io, v_elems], 1024]
             sKb: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]     # k 2^G
             sNegW: cute.struct.Align[cute.struct.MemRange[io, C * 128], 1024]   # L_k, then w
             sXv: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
@@ -272,7 +289,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             sR2: cute.struct.Align[cute.struct.MemRange[io, 32 * 128], 1024]
             sR3: cute.struct.Align[cute.struct.MemRange[io, 16 * 128], 1024]
             sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * AKK_STRIDE], 16]
-            sY: cute.struct.Align[cute.struct.MemRange[Float32, n_y], 16]
+            sY: cute.struct.Align[cute.struct.MemRange[Float32, y_elems], 16]
             sG: cute.struct.MemRange[Float32, C]
             sEG: cute.struct.MemRange[Float32, C]
             sEGL: cute.struct.MemRange[Float32, C]
@@ -338,9 +355,10 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             if wg == 0:
                 cute.arch.setmaxregister_decrease(40)
                 if warp_idx == 0:
+                    # (no v load: the producer never touches its third tile; the two-stage build has no v field)
+                    sV_in = self.view(st.sV, C, 128, ns) if self.load_v else self.view(st.sK, C, 128, ns)
                     self.producer(sched, load, tma_q, mQ, tma_k, mK, tma_v, mV,
-                                  self.view(st.sQ, C, 128, ns), self.view(st.sK, C, 128, ns),
-                                  self.view(st.sV, C, 128, ns))
+                                  self.view(st.sQ, C, 128, ns), self.view(st.sK, C, 128, ns), sV_in)
             else:
                 cute.arch.setmaxregister_increase(232)
                 self.prep_consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale,
@@ -365,7 +383,7 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
         sQ = self.view(st.sQ, C, 128, ns)
         sK = self.view(st.sK, C, 128, ns)
         sK_mn = self.view(st.sK, C, 128, ns, True)
-        sV_mn = self.view(st.sV, C, 128, ns, True)
+        sV_mn = self.view(st.sV, C, 128, ns, True) if self.load_v else sK_mn   # (unread without a v load)
         if cutlass.const_expr(self.slim):
             # w and u replace the k and v columns this consumer's products read (stage 0: one stage)
             sW_j = cute.local_tile(sK[None, None, 0], (C, HALF), (0, j))
@@ -384,6 +402,11 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
             sAkk = cute.make_tensor(cute.recast_ptr(st.sQ.data_ptr(), dtype=Float32),
                                     cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
             sY = cute.make_tensor(cute.recast_ptr(st.sXk.data_ptr(), dtype=Float32), cute.make_layout(n_y))
+        elif cutlass.const_expr(self.row_anchors and ns == 2):
+            # the solve's scratch over the band factors R1..R3 (24 KB, written by step 2's factor pass, last read
+            # by its band products, which both consumers have waited for before step 2's last barrier)
+            sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
+            sY = cute.make_tensor(cute.recast_ptr(st.sR1.data_ptr(), dtype=Float32), cute.make_layout(n_y))
         else:
             sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
             sY = st.sY.get_tensor(cute.make_layout(n_y))

@@ -167,8 +167,10 @@ KDA_FOLD = os.environ.get("CUTE_KERNELS_KDA_FOLD", "1") == "1"
 # KDA_FOLD's phase 1 with a two-stage q / k ring (`ChunkPrepSm90(stages=2)`: the fold loads no v, so v's 16 KB and
 # the solve's scratch laid over the band factors pay for a second q / k stage; the one-stage build waits ~1.9k of
 # ~25k cycles per chunk for its next q / k tiles). Written in session 29; the terms are bitwise those of the
-# one-stage build (`test_kda_prep_two_stages_equal_one`). The plain path's phase 1 only (not the overlapped one's).
-# CUTE_KERNELS_KDA_PREP_STAGES=2 turns it on; off until timed on a GPU.
+# one-stage build (`test_kda_prep_two_stages_equal_one`, 4 passed on the H200). The plain path's phase 1 only (not
+# the overlapped one's). Measured (H200, `benchmarks/results/session29_kda_stages_h200_2026-12-05.txt`): phase 1
+# -2% at B=16 H=64 T=4096, +0..2% at B*H <= 32, the op within +-2% (predicted -5..-8% for phase 1). Off;
+# CUTE_KERNELS_KDA_PREP_STAGES=2 turns it on.
 KDA_PREP_STAGES = int(os.environ.get("CUTE_KERNELS_KDA_PREP_STAGES", "1"))
 
 

@@ -293,6 +293,18 @@ def test_kda_prep_forms_on_fast_and_exact_chunks(form, B, T, H, monkeypatch):
             assert torch.equal(x, getattr(again, name)), f"{name}: run-to-run difference"
 
 
+def kda_fold_inputs(monkeypatch, seed, B, T, H, every):
+    """KDA inputs on the GPU for KDA_FOLD's phase-1 tests (KDA_FOLD on, phase-1 outputs NaN-poisoned): chunk c with
+    c % every == 1 decays by -6 per step in channel 5, past the anchor limit, so that chunk takes the exact path."""
+    monkeypatch.setattr(two_phase, "KDA_FOLD", True)
+    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, g, beta, init = make(B, T, H, True, gen, dtype=torch.bfloat16, device="cuda")
+    strong = (torch.arange(T, device="cuda") // 64) % every == 1
+    g[:, strong, :, 5] = -6.0
+    return q, k, v, g, beta, init
+
+
 @requires_sm90
 @pytest.mark.parametrize("tma_out", [True, False])
 @pytest.mark.parametrize("B,T,H", [(1, 512, 2), (2, 1000, 3), (1, 4096, 4)])
@@ -301,13 +313,8 @@ def test_kda_prep_fold_matches_torch_prep(tma_out, B, T, H, monkeypatch):
     and eg against the torch spec, on tiles mixing fast-path chunks with exact-path ones (every other chunk:
     channel 5 decays by -6 per step) and partial last chunks; NaN-poisoned outputs, run-to-run bitwise; the
     call's v stands in for u, unwritten."""
-    monkeypatch.setattr(two_phase, "KDA_FOLD", True)
     monkeypatch.setattr(two_phase, "PREP_TMA_OUT", tma_out)
-    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
-    gen = torch.Generator().manual_seed(500 + B * T + H)
-    q, k, v, g, beta, _ = make(B, T, H, True, gen, dtype=torch.bfloat16, device="cuda")
-    strong = (torch.arange(T, device="cuda") // 64) % 2 == 1
-    g[:, strong, :, 5] = -6.0
+    q, k, v, g, beta, _ = kda_fold_inputs(monkeypatch, 500 + B * T + H, B, T, H, every=2)
     v_before = v.clone()
     want = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=True, fold=True)
     for chunks_per_tile in (1, 2):
@@ -358,12 +365,7 @@ def test_kda_prep_two_stages_equal_one(B, T, H, monkeypatch):
     and eg bitwise those of the one-stage build, on tiles of 1, 2 and the plan's chunks mixing fast-path chunks
     with exact-path ones (every third chunk: channel 5 decays by -6 per step) and partial last chunks;
     NaN-poisoned outputs, run-to-run bitwise; then the op (1 and 3 segments) bitwise too."""
-    monkeypatch.setattr(two_phase, "KDA_FOLD", True)
-    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
-    gen = torch.Generator().manual_seed(700 + B * T + H)
-    q, k, v, g, beta, init = make(B, T, H, True, gen, dtype=torch.bfloat16, device="cuda")
-    strong = (torch.arange(T, device="cuda") // 64) % 3 == 1
-    g[:, strong, :, 5] = -6.0
+    q, k, v, g, beta, init = kda_fold_inputs(monkeypatch, 700 + B * T + H, B, T, H, every=3)
     for chunks_per_tile in (1, 2, None):
         got = {}
         for stages in (1, 2):

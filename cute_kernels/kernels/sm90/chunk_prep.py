@@ -62,11 +62,13 @@ class ChunkPrepSm90(ChunkGatedDeltaRuleFwdSm90):
     runs with `publish` (the overlapped path; its terms then leave by the threads' stores).
 
     `stages` (2: KDA's `fold` only): a two-stage q/k ring. KDA's phase 1 otherwise has one stage (its G tile
-    takes the room), so the next chunk's q / k load starts only at this chunk's release and its latency shows
-    as the step-1 wait (~1.9k of ~25k cycles per chunk, H200 profile, session 14). The fold loads no v, so its
-    16 KB and the solve's scratch (sY, laid over the band factors R1..R3, which are dead once the band products
-    have been read: step 2's last barrier comes before the solve) pay for the second q / k stage (219136 ->
-    231424 bytes). Same arithmetic: the terms are bitwise those of the one-stage build.
+    takes the room), so the next chunk's q / k load starts only at this chunk's release. The fold loads no v, so
+    its 16 KB and the solve's scratch (sY, laid over the band factors R1..R3, which are dead once the band
+    products have been read: step 2's last barrier comes before the solve) pay for the second q / k stage
+    (219136 -> 231424 bytes). Same arithmetic: the terms are bitwise those of the one-stage build. Built for the
+    step-1 wait (~1.9k of ~25k cycles per chunk, H200 profile, session 14); measured (H200, session 29) phase 1
+    -2% at B=16 H=64 T=4096 and +0..2% at B*H <= 32 -- that stamp also covers thread 0's wait for the previous
+    chunk's TMA stores to read their staging tiles, which no second q / k stage hides. Off (KDA_PREP_STAGES).
 
     `pdl`: every CTA starts with `griddepcontrol.launch_dependents`, so a state pass launched with PDL starts its
     prologue once this grid's last wave has begun (it waits for the whole grid before reading the terms).

@@ -50,17 +50,14 @@ TARGETS = (
 
 def peer_time_us(row: dict) -> float | None:
     """The peer's GPU time of the cell: its CUDA-graph replay time where measured, else its do_bench median."""
-    extra = row.get("extra") or {}
-    v = extra.get("peer_graph_us")
+    v = report.peer_graph_us(row)
     return v if isinstance(v, (int, float)) else row.get("peer_us")
 
 
 def ours_time_us(row: dict) -> float | None:
     """Our GPU time of the cell, measured the same way as :func:`peer_time_us` (graph replay where the peer has it)."""
-    extra = row.get("extra") or {}
-    if isinstance(extra.get("peer_graph_us"), (int, float)):
-        v = extra.get("ours_graph_us")
-        return v if isinstance(v, (int, float)) else None
+    if isinstance(report.peer_graph_us(row), (int, float)):
+        return report.ours_graph_us(row)
     return row.get("ours_us")
 
 

@@ -332,8 +332,7 @@ def test_kda_prep_fold_matches_torch_prep(tma_out, B, T, H, monkeypatch):
 
 def test_kda_prep_stages_option(monkeypatch):
     """`ChunkPrepSm90(stages=2)`: KDA's fold build only; its shared memory (a second q / k stage, no v tile, the
-    solve's scratch over the band factors) fits the 227 KB a CTA may have; compile_chunk_prep takes KDA_PREP_STAGES
-    for the plain path's fold build and 1 for the overlapped one's."""
+    solve's scratch over the band factors) fits the 227 KB a CTA may have; any other build refuses stages=2."""
     from cute_kernels.runtime.arch import import_cutlass
 
     if not torch.cuda.is_available():

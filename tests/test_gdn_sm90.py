@@ -1,6 +1,7 @@
 """SM90 GDN / KDA forward through the ops: input checks (CPU), smem layout views (CPU), agreement with float64 (GPU).
 Every test runs on both paths of the op: the fused kernel and the two-phase path (chunk prep + state pass)."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -8,13 +9,13 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import gpu_arch, poisoned, rel_err
+from conftest import import_peer, poisoned, rel_err, requires_sm90
+from inputs import GATE_REGIMES, initial_state, make_inputs
 
 import cute_kernels as ck
 from cute_kernels import reference as ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-requires_sm90 = pytest.mark.skipif(gpu_arch() != "sm_90a", reason="needs an SM90 (Hopper) GPU")
 
 
 @pytest.fixture(autouse=True, params=["fused", "two_phase"])
@@ -24,18 +25,6 @@ def path(request, monkeypatch):
 
     monkeypatch.setattr(la, "TWO_PHASE", "1" if request.param == "two_phase" else "0")
     return request.param
-
-
-def make_inputs(B, T, H, gen, device="cpu", dtype=torch.bfloat16, K=128, V=128, kda=False, decay=1.0, g_fill=None):
-    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    v = torch.randn(B, T, H, V, generator=gen)
-    g = decay * F.logsigmoid(torch.randn((B, T, H, K) if kda else (B, T, H), generator=gen)).clamp(min=-5.0)
-    if g_fill is not None:
-        g = torch.full_like(g, g_fill)
-    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
-    cast = lambda t: t.to(dtype).to(device)
-    return cast(q), cast(k), cast(v), g.to(device), cast(beta)
 
 
 # ---------------------------------------------------------------- CPU: input checks
@@ -114,25 +103,39 @@ def test_smem_views_alias(tmp_path):
 # ---------------------------------------------------------------- GPU: against float64
 
 
-def run_and_check(B, T, H, gen, with_init, cu_seqlens=None, dtype=torch.bfloat16, kda=False, decay=1.0, g_fill=None):
+def run_and_check(B, T, H, gen, with_init, cu_seqlens=None, dtype=torch.bfloat16, kda=False, regime="strong",
+                  scale=None, beta_dtype=None, final=True, l2norm=False, g_scale=1.0, g_fill=None):
+    """One op call against the float64 reference: outputs NaN-poisoned before each of two runs, which must be
+    bitwise equal; o and the final state within 5e-3 (rel. RMS). `final=False`: output_final_state=False (the
+    final state is neither stored nor returned); `l2norm`: raw q, k with use_qk_l2norm_in_kernel=True."""
     dev = torch.device("cuda")
-    q, k, v, g, beta = make_inputs(B, T, H, gen, dev, dtype, kda=kda, decay=decay, g_fill=g_fill)
+    q, k, v, g, beta = make_inputs(B, T, H, gen, dev, dtype, kda=kda, regime=regime, beta_dtype=beta_dtype,
+                                   normalize=not l2norm)
+    g = torch.full_like(g, g_fill) if g_fill is not None else g * g_scale
     op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    init = torch.randn(N, H, 128, 128, generator=gen).to(dev) * 0.1 if with_init else None
+    init = initial_state(N, H, gen, dev) if with_init else None
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32, device=dev)
-    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
-                                                   cu_seqlens=cu)
+    qn, kn = ((F.normalize(x.float(), dim=-1).to(dtype) for x in (q, k)) if l2norm else (q, k))
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(qn, kn, v, g, beta, scale=scale, initial_state=init,
+                                                   output_final_state=True, cu_seqlens=cu)
     outs = []
     for _ in range(2):
-        out = (poisoned((B, T, H, 128), dtype, dev), poisoned((N, H, 128, 128), torch.float32, dev))
-        o, s = op(q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cu, out=out)
-        assert not o.isnan().any() and not s.isnan().any()
+        out = (poisoned((B, T, H, 128), dtype, dev), poisoned((N, H, 128, 128), torch.float32, dev) if final else None)
+        o, s = op(q, k, v, g, beta, scale=scale, initial_state=init, output_final_state=final, cu_seqlens=cu,
+                  use_qk_l2norm_in_kernel=l2norm, out=out)
+        assert o is out[0] and not o.isnan().any()
+        if final:
+            assert s is out[1] and not s.isnan().any()
+        else:
+            assert s is None
         outs.append((o, s))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), "run-to-run difference"
+    assert torch.equal(outs[0][0], outs[1][0]), "run-to-run difference (o)"
     o, s = outs[0]
     assert rel_err(o, want_o) <= 5e-3, rel_err(o, want_o)
-    assert rel_err(s, want_s) <= 5e-3, rel_err(s, want_s)
+    if final:
+        assert torch.equal(outs[0][1], outs[1][1]), "run-to-run difference (final state)"
+        assert rel_err(s, want_s) <= 5e-3, rel_err(s, want_s)
     return q, k, v, g, beta, init, o, s
 
 
@@ -146,21 +149,57 @@ def test_gdn_matches_reference(B, T, H, with_init):
 
 
 @requires_sm90
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("regime", GATE_REGIMES)
 @pytest.mark.parametrize("with_init", [False, True])
-def test_gdn_varlen(with_init):
-    gen = torch.Generator().manual_seed(11)
-    cu = [0, 1, 65, 65, 1000, 1063, 3000]
-    run_and_check(1, cu[-1], 4, gen, with_init, cu_seqlens=cu)
+def test_long_sequence_in_every_gate_regime(kda, regime, with_init):
+    """A long sequence (T = 4100: not a multiple of 64) in every gate regime, through the path's default plan
+    (segments by the cost model): with weak or zero decay the state carried across chunks and segments is most
+    of the output, so a wrong carry, summary or merge shows."""
+    gen = torch.Generator().manual_seed(41 + 2 * kda + 4 * with_init + 8 * GATE_REGIMES.index(regime))
+    run_and_check(1, 4100, 4, gen, with_init, kda=kda, regime=regime)
+
+
+# one very long sequence among many short ones (3 to 75 tokens, one empty)
+LONG_AND_SHORT = list(itertools.accumulate([0, 4500] + [3 * n for n in range(1, 4)] + [0]
+                                           + [3 * n for n in range(4, 26)]))
 
 
 @requires_sm90
-def test_gdn_fp16():
-    run_and_check(2, 300, 2, torch.Generator().manual_seed(5), True, dtype=torch.float16)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("regime", GATE_REGIMES)
+@pytest.mark.parametrize("cu", [[0, 1, 65, 65, 1000, 1063, 3000], LONG_AND_SHORT], ids=["mixed", "long-and-short"])
+@pytest.mark.parametrize("with_init", [False, True])
+def test_varlen(kda, regime, cu, with_init):
+    gen = torch.Generator().manual_seed(11 + kda + 2 * GATE_REGIMES.index(regime) + 16 * len(cu) + with_init)
+    run_and_check(1, cu[-1], 4 if len(cu) < 10 else 2, gen, with_init, cu_seqlens=cu, kda=kda, regime=regime)
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("dtype,beta_dtype", [(torch.float16, None), (torch.float16, torch.float32),
+                                              (torch.bfloat16, torch.float32)], ids=["fp16", "fp16-beta32", "beta32"])
+def test_dtypes(kda, dtype, beta_dtype):
+    """fp16 inputs (GDN and KDA), and beta in fp32 beside 16-bit q, k, v."""
+    gen = torch.Generator().manual_seed(5 + kda + (beta_dtype is not None) * 2 + (dtype == torch.float16) * 4)
+    run_and_check(2, 300, 2, gen, True, dtype=dtype, beta_dtype=beta_dtype, kda=kda, regime="weak")
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("T", [300, 4100])
+def test_scale_final_state_and_l2norm(kda, T):
+    """A non-default scale; output_final_state=False (T = 300: one launch or segment; 4100: the segmented
+    plans); use_qk_l2norm_in_kernel=True on raw q, k."""
+    gen = torch.Generator().manual_seed(77 + kda + T)
+    run_and_check(1, T, 4, gen, True, kda=kda, regime="weak", scale=0.3)
+    run_and_check(1, T, 4, gen, True, kda=kda, regime="weak", final=False)
+    run_and_check(1, T, 4, gen, False, kda=kda, regime="mixed", l2norm=True)
 
 
 @requires_sm90
 def test_gdn_against_fla():
-    fla = pytest.importorskip("fla.ops.gated_delta_rule")
+    fla = import_peer("fla.ops.gated_delta_rule")
     gen = torch.Generator().manual_seed(9)
     q, k, v, g, beta, init, o, s = run_and_check(2, 1000, 4, gen, True)
     o_fla, s_fla = fla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=True)
@@ -175,10 +214,9 @@ def test_kda_matches_reference(T, with_init):
 
 
 @requires_sm90
-def test_kda_varlen_and_strong_decay():
-    """Varlen, and decays far past FLA's lower bound (up to -20 per step and channel): still finite and right."""
-    run_and_check(1, 3000, 2, torch.Generator().manual_seed(3), True, cu_seqlens=[0, 1, 65, 65, 1000, 3000], kda=True)
-    run_and_check(1, 500, 2, torch.Generator().manual_seed(4), False, kda=True, decay=4.0)
+def test_kda_strong_decay():
+    """Decays far past FLA's lower bound (up to -20 per step and channel): still finite and right."""
+    run_and_check(1, 500, 2, torch.Generator().manual_seed(4), False, kda=True, g_scale=4.0)
 
 
 @requires_sm90
@@ -191,7 +229,7 @@ def test_kda_anchor_paths(g_fill):
 
 @requires_sm90
 def test_kda_against_fla():
-    fla = pytest.importorskip("fla.ops.kda")
+    fla = import_peer("fla.ops.kda")
     gen = torch.Generator().manual_seed(19)
     q, k, v, g, beta, init, o, s = run_and_check(2, 1000, 4, gen, True, kda=True)
     o_fla, s_fla = fla.chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True)

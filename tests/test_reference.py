@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from inputs import gates
 
 from cute_kernels.reference import (
     affine_merge,
@@ -53,30 +54,35 @@ def _assert_close(a, b, what="", tol=TOL):
     assert r <= tol, f"{what}: relative error {r:.3e} > {tol:.0e}"
 
 
-def _inputs(gen, B, T, H, K, V, kda, init, N=None, dtype=F64):
-    """Realistic inputs: L2-normalized keys, g = logsigmoid(randn) (moderate decay), beta = sigmoid(randn)."""
+def _inputs(gen, B, T, H, K, V, kda, init, N=None, dtype=F64, regime="strong"):
+    """Realistic inputs: L2-normalized keys, g in a gate regime of tests/inputs.py (default: logsigmoid(randn)),
+    beta = sigmoid(randn)."""
     N = B if N is None else N
     q = torch.randn(B, T, H, K, generator=gen, dtype=dtype)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
     v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
     g_shape = (B, T, H, K) if kda else (B, T, H)
-    g = F.logsigmoid(torch.randn(*g_shape, generator=gen, dtype=dtype))
+    if regime == "strong":   # (unclamped: the references take any decay)
+        g = F.logsigmoid(torch.randn(*g_shape, generator=gen, dtype=dtype))
+    else:
+        g = gates(g_shape, regime, gen).to(dtype)
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen, dtype=dtype))
     s0 = torch.randn(N, H, K, V, generator=gen, dtype=dtype) if init else None
     return q, k, v, g, beta, s0
 
 
-def _check_all_forms(q, k, v, g, beta, s0, cu, chunk_sizes=(64, 16), segs=(1, 2, 3, 7)):
-    o_ref, f_ref = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                              cu_seqlens=cu)
+def _check_all_forms(q, k, v, g, beta, s0, cu, chunk_sizes=(64, 16), segs=(1, 2, 3, 7), scale=None):
+    o_ref, f_ref = recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=s0,
+                                              output_final_state=True, cu_seqlens=cu)
     for C in chunk_sizes:
-        o, f = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+        o, f = chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=scale, initial_state=s0, output_final_state=True,
                                           cu_seqlens=cu, chunk_size=C)
         _assert_close(o, o_ref, f"chunked o (C={C})")
         _assert_close(f, f_ref, f"chunked final (C={C})")
         for n in segs:
-            o, f = segmented_gated_delta_rule_ref(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                                  cu_seqlens=cu, num_segments=n, chunk_size=C)
+            o, f = segmented_gated_delta_rule_ref(q, k, v, g, beta, scale=scale, initial_state=s0,
+                                                  output_final_state=True, cu_seqlens=cu, num_segments=n,
+                                                  chunk_size=C)
             _assert_close(o, o_ref, f"segmented o (C={C}, N={n})")
             _assert_close(f, f_ref, f"segmented final (C={C}, N={n})")
     return o_ref, f_ref
@@ -91,11 +97,28 @@ def _check_all_forms(q, k, v, g, beta, s0, cu, chunk_sizes=(64, 16), segs=(1, 2,
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("H", [1, 3])
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 300])
-def test_forms_agree(T, H, kda, init):
-    gen = _gen("forms", T, H, kda, init)
-    q, k, v, g, beta, s0 = _inputs(gen, 2, T, H, 16, 8, kda, init)
-    o, f = _check_all_forms(q, k, v, g, beta, s0, None)
+@pytest.mark.parametrize("regime", ["strong", "weak", "zero", "mixed"])
+def test_forms_agree(T, H, kda, init, regime):
+    gen = _gen("forms", T, H, kda, init, regime)
+    q, k, v, g, beta, s0 = _inputs(gen, 2, T, H, 16, 8, kda, init, regime=regime)
+    o, f = _check_all_forms(q, k, v, g, beta, s0, None, scale=None if H == 1 else 0.7)
     assert o.dtype == F64 and o.shape == (2, T, H, 8) and f.shape == (2, H, 16, 8)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_scale_multiplies_q(kda):
+    """`scale` only multiplies q, in every form: o(q, scale=s) = o(s q, scale=1); the default is K^-0.5."""
+    gen = _gen("scale", kda)
+    q, k, v, g, beta, s0 = _inputs(gen, 2, 70, 2, 16, 8, kda, True, regime="weak")
+    for fn, kw in [(recurrent_gated_delta_rule, {}), (chunk_gated_delta_rule_ref, {"chunk_size": 16}),
+                   (segmented_gated_delta_rule_ref, {"chunk_size": 16, "num_segments": 3})]:
+        o, f = fn(q, k, v, g, beta, scale=0.7, initial_state=s0, output_final_state=True, **kw)
+        o1, f1 = fn(0.7 * q, k, v, g, beta, scale=1.0, initial_state=s0, output_final_state=True, **kw)
+        _assert_close(o, o1, f"{fn.__name__} o")
+        _assert_close(f, f1, f"{fn.__name__} final")
+        o_default, _ = fn(q, k, v, g, beta, initial_state=s0, **kw)
+        o_explicit, _ = fn(16**-0.5 * q, k, v, g, beta, scale=1.0, initial_state=s0, **kw)
+        _assert_close(o_default, o_explicit, f"{fn.__name__} default scale")
 
 
 @pytest.mark.parametrize("init", [False, True], ids=["S0=0", "S0"])
@@ -103,10 +126,11 @@ def test_forms_agree(T, H, kda, init):
 @pytest.mark.parametrize(
     "bounds", [[0, 1, 2, 200, 265, 266], [0, 0, 5, 5, 70, 70]], ids=["unequal", "with-empty"]
 )
-def test_forms_agree_varlen(bounds, kda, init):
-    gen = _gen("varlen", bounds, kda, init)
+@pytest.mark.parametrize("regime", ["strong", "weak"])
+def test_forms_agree_varlen(bounds, kda, init, regime):
+    gen = _gen("varlen", bounds, kda, init, regime)
     N, T = len(bounds) - 1, bounds[-1]
-    q, k, v, g, beta, s0 = _inputs(gen, 1, T, 2, 16, 8, kda, init, N=N)
+    q, k, v, g, beta, s0 = _inputs(gen, 1, T, 2, 16, 8, kda, init, N=N, regime=regime)
     cu = torch.tensor(bounds, dtype=torch.int32)
     o, f = _check_all_forms(q, k, v, g, beta, s0, cu)
     # Each packed sequence equals the same sequence run on its own.

@@ -1,19 +1,21 @@
-"""Segmented forward (issue 5): summaries (h_ext, M) + affine merge + outputs from true start states.
+"""Segmented fused forward: summaries (h_ext, M) + affine merge + outputs from true start states.
 
-GPU tests (H200): the segmented result is within 2x the error of the unsegmented kernel against float64, for
-N in {2, 3, 8, 32}, fixed and varlen, with and without an initial state; and bitwise deterministic.
+GPU tests: the segmented result is within 2x the error of the unsegmented kernel against float64, for N in
+{2, 3, 8, 32}, fixed and varlen, with and without an initial state, in every gate regime and with each merge
+variant the planner picks for K = V = 128 (regs, tc); and bitwise deterministic.
 """
 
 import pytest
 import torch
-from conftest import gpu_arch, poisoned, rel_err
-from test_gdn_sm90 import make_inputs
+from conftest import poisoned, rel_err, requires_sm90
+from inputs import GATE_REGIMES, LONG_REGIMES, initial_state, make_inputs
 
 import cute_kernels as ck
 from cute_kernels import reference as ref
 from schedulers import SegmentScheduler, SequenceScheduler
 
-requires_sm90 = pytest.mark.skipif(gpu_arch() != "sm_90a", reason="needs an SM90 (Hopper) GPU")
+# the affine-merge variants `auto` picks for K = V = 128 (few (sequence, head) pairs: regs; many: tc)
+PLANNED_MERGES = ("regs", "tc")
 
 
 @pytest.fixture(autouse=True)
@@ -25,12 +27,17 @@ def poison_summaries(monkeypatch):
     monkeypatch.setattr(la, "_POISON_SUMMARIES", True)
 
 
-def errors(B, T, H, N, with_init, kda, cu=None, seed=0, final=True):
+def errors(B, T, H, N, with_init, kda, cu=None, seed=0, final=True, regime="strong", merge=None, monkeypatch=None):
+    """(segmented o error, unsegmented o error), (the same for the final state) against float64."""
+    if merge is not None:
+        import cute_kernels.ops.merge as merge_ops
+
+        monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", merge)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(seed)
-    q, k, v, g, beta = make_inputs(B, T, H, gen, dev, kda=kda)
+    q, k, v, g, beta = make_inputs(B, T, H, gen, dev, kda=kda, regime=regime)
     n_seqs = B if cu is None else len(cu) - 1
-    init = torch.randn(n_seqs, H, 128, 128, generator=gen).to(dev) * 0.1 if with_init else None
+    init = initial_state(n_seqs, H, gen, dev) if with_init else None
     cut = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
     op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
@@ -55,34 +62,48 @@ def errors(B, T, H, N, with_init, kda, cu=None, seed=0, final=True):
     return (rel_err(o, want_o), rel_err(plain_o, want_o)), (rel_err(s, want_s), rel_err(plain_s, want_s))
 
 
+# (N, regime): every regime, the weak and zero ones with several N >= 4 (long cases: T = 4096)
+SEGMENTED_CASES = ([(n, "strong") for n in (2, 3, 8, 32)] + [(n, r) for r in LONG_REGIMES for n in (4, 8, 32)]
+                   + [(8, "mixed")])
+
+
 @requires_sm90
-@pytest.mark.parametrize("N", [2, 3, 8, 32])
-@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("N,regime", SEGMENTED_CASES)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("with_init", [False, True])
-def test_segmented_matches(N, kda, with_init):
-    (eo, po), (es, ps) = errors(1, 4096, 4, N, with_init, kda, seed=N)
+@pytest.mark.parametrize("merge", PLANNED_MERGES)
+def test_segmented_matches(N, regime, kda, with_init, merge, monkeypatch):
+    seed = N + 64 * GATE_REGIMES.index(regime) + 7 * kda + 3 * with_init
+    (eo, po), (es, ps) = errors(1, 4096, 4, N, with_init, kda, seed=seed, regime=regime, merge=merge,
+                                monkeypatch=monkeypatch)
     assert eo <= max(2 * po, 1e-3) and es <= max(2 * ps, 1e-3), (eo, po, es, ps)
     assert eo <= 5e-3 and es <= 5e-3
 
 
 @requires_sm90
-@pytest.mark.parametrize("kda", [False, True])
-def test_segmented_without_final_state(kda):
-    (eo, po), _ = errors(2, 1000, 2, 3, False, kda, seed=5, final=False)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("regime", ["strong", "weak"])
+def test_segmented_without_final_state(kda, regime):
+    (eo, po), _ = errors(2, 1000, 2, 3, False, kda, seed=5, final=False, regime=regime)
     assert eo <= max(2 * po, 1e-3), (eo, po)
 
 
 @requires_sm90
-@pytest.mark.parametrize("kda", [False, True])
-def test_segmented_varlen(kda):
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("regime", GATE_REGIMES)
+@pytest.mark.parametrize("merge", PLANNED_MERGES)
+def test_segmented_varlen(kda, regime, merge, monkeypatch):
     cu = [0, 1, 65, 65, 1000, 1063, 6000]
-    (eo, po), (es, ps) = errors(1, cu[-1], 2, 8, True, kda, cu=cu, seed=3)
+    (eo, po), (es, ps) = errors(1, cu[-1], 2, 8, True, kda, cu=cu, seed=3 + GATE_REGIMES.index(regime),
+                                regime=regime, merge=merge, monkeypatch=monkeypatch)
     assert eo <= max(2 * po, 1e-3) and es <= max(2 * ps, 1e-3), (eo, po, es, ps)
+    assert eo <= 5e-3 and es <= 5e-3
 
 
 @requires_sm90
-@pytest.mark.parametrize("kda", [False, True])
-def test_auto_segments_default_path(kda, monkeypatch):
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("regime", ["strong", "zero"])
+def test_auto_segments_default_path(kda, regime, monkeypatch):
     """scheduler=None with AUTO_SEGMENTS on (the cost model picks N): B=1 H=4 T=4096 splits, stays within 5e-3
     of float64, and reruns bitwise identical (AUTO_SEGMENTS is on by default; this pins it on)."""
     from cute_kernels.ops import linear_attention as la
@@ -91,7 +112,7 @@ def test_auto_segments_default_path(kda, monkeypatch):
     monkeypatch.setattr(la, "TWO_PHASE", "0")   # the fused path (tests/test_two_phase.py covers the other)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(11)
-    q, k, v, g, beta = make_inputs(1, 4096, 4, gen, dev, kda=kda)
+    q, k, v, g, beta = make_inputs(1, 4096, 4, gen, dev, kda=kda, regime=regime)
     op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True)
     runs = []

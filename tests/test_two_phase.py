@@ -6,24 +6,17 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import gpu_arch, poisoned, rel_err
+from conftest import poisoned, rel_err, requires_sm90
+from inputs import GATE_REGIMES, initial_state, make_inputs
 
 from cute_kernels import reference as ref
 from cute_kernels.ops import two_phase
 
-requires_sm90 = pytest.mark.skipif(gpu_arch() != "sm_90a", reason="needs an SM90 (Hopper) GPU")
 
-
-def make(B, T, H, kda, gen, dtype=torch.float32, device="cpu", V=128):
-    q = F.normalize(torch.randn(B, T, H, 128, generator=gen), dim=-1)
-    k = F.normalize(torch.randn(B, T, H, 128, generator=gen), dim=-1)
-    v = torch.randn(B, T, H, V, generator=gen)
-    g = F.logsigmoid(torch.randn((B, T, H, 128) if kda else (B, T, H), generator=gen) + 2.0)
-    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
-    init = torch.randn(B, H, 128, V, generator=gen) * 0.1
-    cast = lambda x: x.to(dtype).to(device)   # noqa: E731
-    return cast(q), cast(k), cast(v), g.to(device), cast(beta), init.to(device)
+def make(B, T, H, kda, gen, dtype=torch.float32, device="cpu", V=128, regime="moderate"):
+    """(q, k, v, g, beta, initial state [B, H, 128, V]) in `regime` (default: moderate gates, ~-0.18 per step)."""
+    q, k, v, g, beta = make_inputs(B, T, H, gen, device, dtype, kda=kda, regime=regime, V=V)
+    return q, k, v, g, beta, initial_state(B, H, gen, device, V=V)
 
 
 @pytest.mark.parametrize("kda", [False, True])
@@ -605,13 +598,48 @@ def test_two_phase_matches_reference(kda, B, T, H, with_init, N, variant, monkey
 
 
 @requires_sm90
-@pytest.mark.parametrize("kda,raw,fold,share", [(False, False, False, False), (False, True, False, False),
-                                                (False, True, False, True), (True, False, False, False),
-                                                (True, False, True, False)],
-                         ids=["gdn-gated", "gdn-raw", "gdn-raw-share", "kda-gated", "kda-fold"])
-@pytest.mark.parametrize("B,T,H,with_init", [(1, 4096, 4, False), (2, 1000, 3, True), (1, 2048, 16, True),
-                                             (4, 640, 8, False)])
-def test_overlapped_path_matches_reference(kda, raw, fold, share, B, T, H, with_init, monkeypatch):
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("regime", GATE_REGIMES)
+@pytest.mark.parametrize("N,merge", [(1, None), (8, "regs"), (8, "tc")])
+@pytest.mark.parametrize("with_init", [False, True])
+def test_two_phase_gate_regimes(kda, regime, N, merge, with_init, monkeypatch):
+    """The two-phase path with its default builds on a long sequence (T = 4100: not a multiple of 64) in every gate
+    regime: one state-pass segment, or 8 joined by each merge the planner picks for K = V = 128; NaN-poisoned
+    terms and summaries, run-to-run bitwise, float64 reference."""
+    import cute_kernels.ops.merge as merge_ops
+
+    if merge is not None:
+        monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", merge)   # (part of the plans' cache key)
+    monkeypatch.setattr(two_phase, "_POISON_SUMMARIES", True)
+    monkeypatch.setattr(two_phase, "_POISON_PREP", True)
+    gen = torch.Generator().manual_seed(600 + N + 2 * kda + 4 * with_init + 8 * GATE_REGIMES.index(regime))
+    q, k, v, g, beta, init = make(1, 4100, 4, kda, gen, dtype=torch.bfloat16, device="cuda", regime=regime)
+    init = init if with_init else None
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
+    runs = [two_phase.chunk_gated_delta_rule_two_phase(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                                       kda=kda, num_segments=N) for _ in range(2)]
+    (o, s), (o2, s2) = runs
+    assert not o.isnan().any() and not s.isnan().any()
+    assert torch.equal(o, o2) and torch.equal(s, s2), "run-to-run difference"
+    assert rel_err(o, want_o) <= 5e-3 and rel_err(s, want_s) <= 5e-3, (rel_err(o, want_o), rel_err(s, want_s))
+
+
+# the overlapped path's builds: (kda, raw, fold, share), ids; and the cases of each (B, T, H, with_init, regime)
+OVERLAP_BUILDS = [((False, False, False, False), "gdn-gated"), ((False, True, False, False), "gdn-raw"),
+                  ((False, True, False, True), "gdn-raw-share"), ((True, False, False, False), "kda-gated"),
+                  ((True, False, True, False), "kda-fold")]
+OVERLAP_DEFAULTS = ("gdn-gated", "kda-fold")   # the builds `overlap_build` picks by default
+OVERLAP_CASES = [(build, (B, T, H, init, "moderate")) for build in OVERLAP_BUILDS
+                 for B, T, H, init in [(1, 4096, 4, False), (2, 1000, 3, True), (1, 2048, 16, True), (4, 640, 8, False)]]
+OVERLAP_CASES += [(build, (B, T, H, init, regime)) for build in OVERLAP_BUILDS if build[1] in OVERLAP_DEFAULTS
+                  for regime in GATE_REGIMES for B, T, H, init in [(1, 4096, 4, False), (1, 2048, 16, True)]]
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda,raw,fold,share,B,T,H,with_init,regime", [b + c for (b, _), c in OVERLAP_CASES],
+                         ids=[f"{name}-{c[0]}x{c[1]}x{c[2]}-{'init' if c[3] else 'zero'}-{c[4]}"
+                              for (_, name), c in OVERLAP_CASES])
+def test_overlapped_path_matches_reference(kda, raw, fold, share, B, T, H, with_init, regime, monkeypatch):
     """The overlapped path (phase 1 publishing per chunk on a side stream, the state pass consuming it at once;
     `raw`: GDN's raw build, state pass launched first from the second call on): NaN-poisoned terms, float64
     reference, bitwise equal to itself and to the plain two-phase path (same math, only the timing differs), every
@@ -633,8 +661,8 @@ def test_overlapped_path_matches_reference(kda, raw, fold, share, B, T, H, with_
     monkeypatch.setattr(two_phase, "GDN_FOLD", False)   # the raw overlapped build keeps w and u (the plain path too)
     if not raw:
         monkeypatch.setattr(two_phase, "PREP_SOLVE_MMA", False)
-    gen = torch.Generator().manual_seed(300 + B * T + H + kda)
-    q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(300 + B * T + H + kda + 1000 * (GATE_REGIMES + ("moderate",)).index(regime))
+    q, k, v, g, beta, init = make(B, T, H, kda, gen, dtype=torch.bfloat16, device="cuda", regime=regime)
     init = init if with_init else None
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True)
     op = la.chunk_kda if kda else la.chunk_gated_delta_rule
@@ -860,10 +888,12 @@ def emulated_state_pass(monkeypatch):
 @pytest.mark.parametrize("num_segments", [1, 3, 8])
 @pytest.mark.parametrize("with_init", [True, False])
 @pytest.mark.parametrize("pair", [False, True])
-def test_segmented_state_pass_orchestration(emulated_state_pass, kda, num_segments, with_init, pair, monkeypatch):
+@pytest.mark.parametrize("regime", GATE_REGIMES)
+def test_segmented_state_pass_orchestration(emulated_state_pass, kda, num_segments, with_init, pair, regime,
+                                            monkeypatch):
     monkeypatch.setattr(two_phase, "STATE_PAIR", "1" if pair else "0")
-    gen = torch.Generator().manual_seed(num_segments + 2 * kda + 4 * with_init)
-    q, k, v, g, beta, init = make(2, 1000, 2, kda, gen)
+    gen = torch.Generator().manual_seed(num_segments + 2 * kda + 4 * with_init + 8 * GATE_REGIMES.index(regime))
+    q, k, v, g, beta, init = make(2, 1000, 2, kda, gen, regime=regime)
     init = init if with_init else None
     prep = two_phase.chunk_prep_torch(q, k, v, g, beta, kda=kda)
     o, s = two_phase.state_pass(prep, init, output_final_state=True, num_segments=num_segments)
@@ -956,8 +986,9 @@ class PrepEmulator:
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("segments", [None, 4])
 @pytest.mark.parametrize("pair", ["0", "auto"])
-@pytest.mark.parametrize("state", ["split", "lookback", "one_pass", "one_pass_early"])
-def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segments, pair, state):
+@pytest.mark.parametrize("state,regime", [("split", r) for r in GATE_REGIMES]
+                         + [(s, "moderate") for s in ("lookback", "one_pass", "one_pass_early")])
+def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segments, pair, state, regime):
     """chunk_gated_delta_rule / chunk_kda with CUTE_KERNELS_TWO_PHASE on: phase 1 + the (segmented) state pass
     wired from the op, checked on the CPU with both kernels emulated (GDN: GDN_FOLD's terms). STATE_PAIR "auto"
     on a 4-SM device: the state pass's one-block tiles take more than one wave, so it runs `pair` tiles.
@@ -978,9 +1009,9 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segm
     la._two_phase_plans.clear()
     cu = (0, 100, 100, 1000, 1300) if varlen else None
     monkeypatch.setattr(two_phase, "compile_chunk_prep", lambda io, bt, kda, **kw: PrepEmulator(kda, cu, kw.get("fold")))
-    gen = torch.Generator().manual_seed(11 + kda + 2 * varlen)
+    gen = torch.Generator().manual_seed(11 + kda + 2 * varlen + 4 * (GATE_REGIMES + ("moderate",)).index(regime))
     B, T = (1, 1300) if varlen else (2, 700)
-    q, k, v, g, beta, _ = make(B, T, 2, kda, gen, dtype=torch.bfloat16)
+    q, k, v, g, beta, _ = make(B, T, 2, kda, gen, dtype=torch.bfloat16, regime=regime)
     N = 4 if varlen else B
     init = torch.randn(N, 2, 128, 128, generator=gen) * 0.1
     cut = torch.tensor(cu) if varlen else None
@@ -989,16 +1020,20 @@ def test_two_phase_op_wiring(emulated_state_pass, monkeypatch, kda, varlen, segm
     o, s = op(q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cut, scheduler=sched)
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
                                                    cu_seqlens=cut)
-    split = segments is not None and segments > 1
     last = {"split": "segment_outputs", "lookback": "lookback", "one_pass": "summary_o",
             "one_pass_early": "summary_o"}[state]
-    assert emulated_state_pass[-1] == (last if split else emulated_state_pass[-1])
+    # the plan's segment count (the forced one, or the cost model's) decides the launches
+    n = la._last_choice[0].num_segments
+    assert segments is None or n == segments, la.last_plan()
+    split = n > 1
+    assert emulated_state_pass[-1] == (last if split else "forward"), emulated_state_pass
     assert emulated_state_pass.pairs[-1] == (pair == "auto" and not (state != "split" and split))
     if split:
         assert ("look-back chain" in la.last_plan()) == (state == "lookback"), la.last_plan()
         assert ("one pass" in la.last_plan()) == state.startswith("one_pass"), la.last_plan()
         assert ("early correction" in la.last_plan()) == (state == "one_pass_early"), la.last_plan()
-    assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2, (rel_err(o, want_o), rel_err(s, want_s))
+    # bf16 terms and output: 2.6e-3 (o) and 1.7e-3 (state) at most over these cases
+    assert rel_err(o, want_o) < 5e-3 and rel_err(s, want_s) < 5e-3, (rel_err(o, want_o), rel_err(s, want_s))
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -1038,7 +1073,7 @@ def test_kda_fold_op_wiring(emulated_state_pass, monkeypatch, varlen, segments):
                                                    cu_seqlens=cut)
     assert folds == [True] and torch.equal(v, v_before)
     assert not any(emulated_state_pass.folds), "KDA's fold terms run the plain state pass"
-    assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2, (rel_err(o, want_o), rel_err(s, want_s))
+    assert rel_err(o, want_o) < 5e-3 and rel_err(s, want_s) < 5e-3, (rel_err(o, want_o), rel_err(s, want_s))
 
 
 def test_two_phase_op_writes_into_out(emulated_state_pass, monkeypatch):
@@ -1061,7 +1096,7 @@ def test_two_phase_op_writes_into_out(emulated_state_pass, monkeypatch):
     got_o, got_s = la.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=False,
                                              out=(o, s))
     assert got_o is o and got_s is None
-    assert rel_err(o, want_o) < 1e-2 and rel_err(s, want_s) < 1e-2
+    assert rel_err(o, want_o) < 5e-3 and rel_err(s, want_s) < 5e-3
     with pytest.raises(ValueError, match=r"out\[o\]"):
         la.chunk_gated_delta_rule(q, k, v, g, beta, out=(o[:, :100], None))
     with pytest.raises(TypeError, match=r"out\[final_state\]"):
@@ -1303,7 +1338,7 @@ def test_eager_fused_call_builds_the_graph_paths_plans(emulated_state_pass, monk
     assert la._last_choice[1] and len(fused_calls) == 1               # captured: two-phase, no new plan
     assert two_phase._plans == built
     want, _ = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta)
-    assert rel_err(o, want) < 1e-2
+    assert rel_err(o, want) < 5e-3
 
 
 def test_prep_workspace_is_kept_per_stream_and_only_for_the_op(monkeypatch):

@@ -32,8 +32,11 @@ fi
 for stage in $stages; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
-    tests)
-      timeout -s INT -k 20 $t python3 -m pytest tests -q -x -p no:cacheprovider -k "not test_compile" 2>&1 | tee "$out/tests.log" | tail -25
+    tests)   # the whole suite; --require-gpu: a GPU test (or a peer such as FLA) that cannot run fails
+      timeout -s INT -k 20 $t python3 -m pytest tests -q -p no:cacheprovider --require-gpu -m "not compile" -k "not test_compile" 2>&1 | tee "$out/tests.log" | tail -25
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    mutations)   # planted bugs in the kernels, each caught by the GPU tests (scripts/mutations.py --gpu)
+      timeout -s INT -k 20 $t python3 scripts/mutations.py --gpu --jobs ${MUTATION_JOBS:-4} --pytest-args=--require-gpu 2>&1 | tee "$out/mutations.log" | tail -30
       status=$((status | ${PIPESTATUS[0]})) ;;
     gpu-tests)
       timeout -s INT -k 20 $t python3 -m pytest tests -q -p no:cacheprovider -m "not compile" -k "gpu or merge or probe" 2>&1 | tee "$out/gpu_tests.log" | tail -25

@@ -1,0 +1,245 @@
+"""Planted bugs: proof that the test suite can see the state the forward carries.
+
+    python scripts/mutations.py --cpu            # bugs in the references and the host code, CPU tests (CI-sized)
+    python scripts/mutations.py --gpu            # bugs in the kernels, GPU tests (on the GPU machine)
+    python scripts/mutations.py --list           # the catalog
+    python scripts/mutations.py --cpu --only merge-m-zero --jobs 2
+
+Each mutant is one textual edit of one source file (`old` -> `new`, `old` found exactly once). For every
+mutant the script copies the tree to a temporary folder, applies the edit there (the working tree is never
+touched), runs the tests that should catch it, and counts the failing ones. First it runs the same tests on an
+unmutated copy: they must all pass, or a "caught" count would mean nothing. It prints one line per bug,
+`caught by N tests`, with the count of each site, and exits 1 if any bug survives at any of its sites (2 if the
+baseline fails or an edit no longer applies: the catalog must follow the code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REF = "cute_kernels/reference/linear_attention.py"
+OPS = "cute_kernels/ops/linear_attention.py"
+TWO_PHASE = "cute_kernels/ops/two_phase.py"
+HOST = "schedulers/host.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    bug: str        # the bug this plants (several sites may plant the same bug)
+    site: str       # where, in a few words
+    path: str       # the file, relative to the repository
+    old: str        # text found exactly once in the file
+    new: str        # its replacement
+    tests: tuple    # test selections, each "FILE" or "FILE@K-EXPRESSION" (one pytest run each)
+    gpu: bool = False
+
+
+REF_FORMS = ("tests/test_reference.py@forms_agree or summaries or segmentation or frozen or kda_with or literal or scale",)
+REF_MERGE = ("tests/test_reference.py@merge or forms_agree or segmentation",)
+FUSED_HOST = ("tests/test_ops_host.py",)
+TWO_PHASE_HOST = ("tests/test_two_phase.py@segmented_state_pass_orchestration or (wiring and not lookback and not one_pass) "
+                  "or contract or fold_terms",)
+
+CPU_MUTANTS = [
+    # -- the carry factor diag(exp(G_last)) S dropped
+    Mutant("carry factor dropped", "chunked reference", REF,
+           "S = _decay_by_last(S, t.decay_last, kda) + t.kg.transpose(-1, -2) @ v_new",
+           "S = S + t.kg.transpose(-1, -2) @ v_new", REF_FORMS),
+    Mutant("carry factor dropped", "chunk maps M_c (reference)", REF,
+           "M[:, c] = _decay_by_last(eye.expand(n, H, K, K), t.decay_last, kda) - kgT @ t.w",
+           "M[:, c] = eye.expand(n, H, K, K) - kgT @ t.w", REF_FORMS),
+    Mutant("carry factor dropped", "state-pass spec (two_phase.state_pass_torch)", TWO_PHASE,
+           "S = (decay[..., None] if prep.kda else decay[..., None, None]) * S + kg.transpose(-1, -2) @ v_new",
+           "S = S + kg.transpose(-1, -2) @ v_new", TWO_PHASE_HOST),
+    # -- the merge: M zero, identity or transposed; h_ext dropped; the final state one segment early
+    Mutant("M replaced by zero in the merge", "reference merge (the CPU tests' merge)", REF,
+           "S = M[s] @ S + h[s]", "S = 0 * M[s] @ S + h[s]", REF_MERGE + FUSED_HOST + TWO_PHASE_HOST),
+    Mutant("M replaced by I in the merge", "reference merge (the CPU tests' merge)", REF,
+           "S = M[s] @ S + h[s]", "S = S + h[s]", REF_MERGE + FUSED_HOST + TWO_PHASE_HOST),
+    Mutant("M transposed in the merge", "reference merge (the CPU tests' merge)", REF,
+           "S = M[s] @ S + h[s]", "S = M[s].transpose(-1, -2) @ S + h[s]", REF_MERGE + FUSED_HOST + TWO_PHASE_HOST),
+    Mutant("h_ext dropped", "reference merge (the CPU tests' merge)", REF,
+           "S = M[s] @ S + h[s]", "S = M[s] @ S", REF_MERGE + FUSED_HOST + TWO_PHASE_HOST),
+    Mutant("final state taken from the second-to-last segment", "reference merge", REF,
+           "            S = M[s] @ S + h[s]\n        final[n] = S",
+           "            S, prev = M[s] @ S + h[s], S\n        final[n] = prev if offs[n + 1] - offs[n] > 1 else S",
+           REF_MERGE),
+    Mutant("final state taken from the second-to-last segment", "tile table (schedulers)", HOST,
+           "out.append(WorkTile(n, h, b, s, ns, seg.seg_offsets[n] + s, c0, c1, t0, t1))",
+           "out.append(WorkTile(n, h, b, s, max(1, ns - 1), seg.seg_offsets[n] + s, c0, c1, t0, t1))",
+           FUSED_HOST + TWO_PHASE_HOST),
+    # -- a segment boundary shifted by one chunk: the summaries cover other chunks than the outputs
+    Mutant("segment boundary shifted by one chunk", "fused summary launch (ops)", OPS,
+           "return schedule, summary_schedule(blocks2, schedule.segmentation, first_m=init)",
+           "from schedulers import Segmentation\n"
+           "    shifted = Segmentation([[c + (0 < i < len(b) - 1) for i, c in enumerate(b)]\n"
+           "                            for b in schedule.segmentation.bounds])\n"
+           "    return schedule, summary_schedule(blocks2, shifted, first_m=init)", FUSED_HOST),
+    Mutant("segment boundary shifted by one chunk", "two-phase summary launch (ops)", TWO_PHASE,
+           "summ = summary_schedule(blocks, seg, first_m=init, h_blocks=V // cols)",
+           "summ = summary_schedule(blocks, Segmentation([[c + (0 < i < len(b) - 1) for i, c in enumerate(b)]\n"
+           "                                                     for b in seg.bounds]),\n"
+           "                                        first_m=init, h_blocks=V // cols)", TWO_PHASE_HOST),
+    # -- the initial state ignored
+    Mutant("initial state ignored", "op wiring (fused path)", OPS,
+           "    init = initial_state is not None\n", "    init = False\n", FUSED_HOST),
+    Mutant("initial state ignored", "op wiring (two-phase path)", OPS,
+           "plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, initial_state is not None,",
+           "plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, False,", ("tests/test_two_phase.py@wiring",)),
+    Mutant("initial state ignored", "reference start state", REF,
+           "    if p.initial_state is None:\n        return p.k.new_zeros",
+           "    if True:\n        return p.k.new_zeros", REF_FORMS),
+    # -- scale ignored (K^-0.5 used)
+    Mutant("scale ignored (K^-0.5 used)", "op wiring (both paths)", OPS,
+           "scale = float(scale) if scale is not None else K ** -0.5", "scale = K ** -0.5", FUSED_HOST),
+    Mutant("scale ignored (K^-0.5 used)", "reference", REF,
+           "    if scale is None:\n        scale = K**-0.5", "    if True:\n        scale = K**-0.5", REF_FORMS),
+    # -- beta ignored on one term
+    Mutant("beta ignored on one term", "reference chunk terms: Akk without beta", REF,
+           "Akk = beta[..., :, None] * Akk.tril(-1)", "Akk = Akk.tril(-1)", REF_FORMS + TWO_PHASE_HOST),
+    # -- the last partial chunk's length taken as 64
+    Mutant("last partial chunk's length taken as 64", "tile table (schedulers)", HOST,
+           "t0, t1 = start + min(c0 * C, length), start + min(c1 * C, length)",
+           "t0, t1 = start + min(c0 * C, length), start + c1 * C", FUSED_HOST + TWO_PHASE_HOST),
+    Mutant("last partial chunk's length taken as 64", "state-pass spec (two_phase.state_pass_torch)", TWO_PHASE,
+           "    for t0 in range(0, T, C):\n        t1 = min(t0 + C, T)\n        L = t1 - t0\n",
+           "    for t0 in range(0, T, C):\n        t1 = min(t0 + C, T)\n        L = C\n", TWO_PHASE_HOST),
+]
+
+GPU_MUTANTS: list[Mutant] = []
+
+
+def tracked_files(root: str) -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=root, capture_output=True,
+                         text=True, check=True).stdout.split("\n")
+    return [f for f in out if f and not f.startswith("benchmarks/results/") and os.path.isfile(os.path.join(root, f))]
+
+
+def make_copy(files: list[str], dst: str) -> None:
+    for f in files:
+        os.makedirs(os.path.dirname(os.path.join(dst, f)) or dst, exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, f), os.path.join(dst, f))
+
+
+def apply(m: Mutant, root: str) -> None:
+    path = os.path.join(root, m.path)
+    text = open(path).read()
+    n = text.count(m.old)
+    if n != 1:
+        raise LookupError(f"{m.path}: the text to replace occurs {n} times (need exactly 1): {m.old[:70]!r}")
+    with open(path, "w") as f:
+        f.write(text.replace(m.old, m.new))
+
+
+def run_tests(root: str, selections: tuple, extra: list[str], timeout: int, threads: int) -> tuple[int, int, str]:
+    """(failed + errors, passed, summary) over the test selections, run in `root` (one pytest run each) with
+    `threads` CPU threads (parallel runs must not oversubscribe the cores: torch's spinning threads then crawl)."""
+    env = dict(os.environ, PYTHONPATH=root, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS=str(threads))
+    env.pop("CUTE_KERNELS_AOT_WRITE", None)   # a mutant's kernels never go into a shared AOT directory
+    failed = passed = 0
+    lines = []
+    for sel in selections:
+        path, _, kexpr = sel.partition("@")
+        cmd = [sys.executable, "-m", "pytest", path, *(["-k", kexpr] if kexpr else []), "-q", "-p",
+               "no:cacheprovider", "--tb=no", "-rN", *extra]
+        try:
+            proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+            text = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired:   # a hang (a spin that never ends) counts as caught
+            failed += 1
+            lines.append(f"{os.path.basename(path)}: timed out after {timeout} s")
+            continue
+        count = lambda word: sum(int(x) for x in re.findall(rf"(\d+) {word}\b", text))   # noqa: E731
+        f, p = count("failed") + count("errors?"), count("passed")
+        if not f and not p:   # collection failed, or nothing ran: an error, counted as one
+            f = 1
+        failed, passed = failed + f, passed + p
+        lines.append(f"{os.path.basename(path)}: {f} failed, {p} passed")
+    return failed, passed, "; ".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--cpu", action="store_true", help="bugs caught by CPU tests (references, host code)")
+    mode.add_argument("--gpu", action="store_true", help="bugs in the kernels, caught by GPU tests")
+    mode.add_argument("--list", action="store_true", help="print the catalog")
+    ap.add_argument("--only", nargs="*", default=None, help="only the sites whose bug or site contains one of these")
+    ap.add_argument("--jobs", type=int, default=2, help="mutants tested at once")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per mutant's test run")
+    ap.add_argument("--pytest-args", default="", help="extra pytest arguments (e.g. --require-gpu)")
+    args = ap.parse_args(argv)
+
+    if args.list:
+        for m in CPU_MUTANTS + GPU_MUTANTS:
+            print(f"[{'gpu' if m.gpu else 'cpu'}] {m.bug}: {m.site} ({m.path}) -> {' | '.join(m.tests)}")
+        return 0
+    mutants = GPU_MUTANTS if args.gpu else CPU_MUTANTS
+    if args.only:
+        mutants = [m for m in mutants if any(s in m.bug or s in m.site for s in args.only)]
+    if not mutants:
+        print("no mutant selected")
+        return 2
+    extra = args.pytest_args.split()
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    files = tracked_files(ROOT)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="mutations_") as tmp:
+        base = os.path.join(tmp, "base")
+        make_copy(files, base)
+        for m in mutants:   # every edit must still apply before anything runs
+            n = open(os.path.join(base, m.path)).read().count(m.old)
+            if n != 1:
+                print(f"catalog out of date: {m.bug} ({m.site}): {n} occurrences in {m.path} of {m.old[:70]!r}")
+                return 2
+        union = list(dict.fromkeys(sel for m in mutants for sel in m.tests))   # the baseline: every selection
+        print(f"baseline: {len(union)} test selections on the unmutated tree ...", flush=True)
+
+        def baseline(sel):
+            return sel, run_tests(base, (sel,), extra, args.timeout, threads)
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for sel, (failed, passed, line) in pool.map(baseline, union):
+                if failed or not passed:
+                    print(f"baseline fails ({sel}): {line}")
+                    return 2
+        print(f"baseline passes ({time.time() - t0:.0f} s)", flush=True)
+
+        def trial(i_m):
+            i, m = i_m
+            root = os.path.join(tmp, f"m{i}")
+            shutil.copytree(base, root)
+            apply(m, root)
+            result = run_tests(root, m.tests, extra, args.timeout, threads)
+            shutil.rmtree(root, ignore_errors=True)
+            return m, result
+
+        results = []
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for m, (failed, passed, line) in pool.map(trial, enumerate(mutants)):
+                print(f"  {m.bug} [{m.site}]: {failed} failing ({line})", flush=True)
+                results.append((m, failed))
+    survived = False
+    print(f"\n{'GPU' if args.gpu else 'CPU'} planted bugs ({time.time() - t0:.0f} s):")
+    for bug in dict.fromkeys(m.bug for m, _ in results):
+        sites = [(m, n) for m, n in results if m.bug == bug]
+        total = sum(n for _, n in sites)
+        missed = [m.site for m, n in sites if n == 0]
+        survived |= bool(missed)
+        detail = ", ".join(f"{m.site}: {n}" for m, n in sites)
+        print(f"{bug}: caught by {total} tests ({detail})" + (f"  SURVIVED at {missed}" if missed else ""))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

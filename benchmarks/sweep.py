@@ -47,10 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up budget, ms")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench measuring budget, ms")
     p.add_argument("--no-ours", action="store_true", help="time only the peer")
-    p.add_argument("--scheduler", default="default", choices=["default", "segment", "auto"],
-                   help="kda/gdn: ours with its default scheduler; 'segment': SegmentScheduler() (segment count "
-                        "chosen per cell by plan_segments); 'auto': AUTO_SEGMENTS on (the measured cost model picks "
-                        "N per cell). The plan is kept in the JSON's extra.plan; results get a '-segment'/'-auto' tag")
+    p.add_argument("--scheduler", default="default", choices=["default", "segment"],
+                   help="kda/gdn: ours as the planner runs it (set CUTE_KERNELS_PATH to pin a path); 'segment': the "
+                        "fused kernel with SegmentScheduler() (segment count per cell by plan_segments). The plan is "
+                        "kept in the JSON's extra.plan; results get a '-segment' tag")
     p.add_argument("--limit-cells", type=int, default=None, help="only the first N cells of the grid")
     p.add_argument("--cells", default=None, metavar="START:END[,I,...]",
                    help="only cells START..END-1 of the grid (or a comma-separated list of indices and ranges) (to split a long sweep across device calls; the files "
@@ -267,11 +267,6 @@ def main(argv=None) -> int:
 
             ours = functools.partial(ours, scheduler=SegmentScheduler())
             ours_status += " (scheduler=SegmentScheduler())"
-        if ours is not None and args.scheduler == "auto" and args.op in ("kda", "gdn"):
-            from cute_kernels.ops import linear_attention
-
-            linear_attention.AUTO_SEGMENTS = True
-            ours_status += " (AUTO_SEGMENTS: cost-model segment count)"
         if ours is None:
             print(f"note: {why}; timing the peer only", file=sys.stderr)
 

@@ -1,14 +1,11 @@
 """Context parallel forward: one sequence split along T across the ranks of a process group.
 
-Each rank holds a contiguous slice of the tokens (rank r: the r-th slice, the usual context-parallel layout) of
-q, k, v, g, beta `[B, T_local, H, ...]`. The slices are chained by the affine algebra of the recurrence:
-
-1. every rank summarizes its slice from a zero state, `S_end = M_r S_start + h_r` (fp32 on the GPU, the
-   compute dtype with the reference backend). Rank 0 knows its start state (the initial state), so it publishes
-   the constant map (0, M_0 S_0 + h_0) instead: no other rank needs the initial state;
-2. the summaries travel: `all_gather` of every (M_r, h_r), then each rank composes its predecessors' maps
-   (method "allgather"); or a point-to-point chain where rank r receives its start state from r - 1 and sends
-   its end state to r + 1 (method "p2p": one K x V state per hop, but the hops are serial); "auto" picks by size;
+Rank r holds the r-th contiguous slice of the tokens of q, k, v, g, beta `[B, T_local, H, ...]`; the slices are
+chained by the affine algebra of the recurrence:
+1. every rank summarizes its slice from a zero state, `S_end = M_r S_start + h_r` (fp32 on the GPU, the compute
+   dtype with the reference backend); rank 0 publishes the constant map (0, M_0 S_0 + h_0) instead;
+2. the summaries travel: method "allgather" (all_gather of every (M_r, h_r), each rank composes its predecessors'
+   maps) or "p2p" (rank r receives its start state from r - 1, sends its end state to r + 1); "auto" picks by size;
 3. every rank computes its outputs from its true start state; the last rank's end state is the final state.
 
 Backends: "reference" (the float64 torch references of `cute_kernels.reference`, any device, e.g. CPU + gloo)
@@ -22,17 +19,14 @@ import torch.distributed as dist
 
 from . import reference as ref
 
-# All-gather moves world x H x (K*K + K*V) values to every rank in one collective; the p2p chain moves one
-# H x K x V state per hop but waits world - 1 hops. Below this many gathered bytes the single collective wins.
+# Below this many gathered bytes one all-gather (world x H x (K*K + K*V) values) beats p2p's world - 1 serial hops.
 ALLGATHER_MAX_BYTES = 256 << 20
 
 
 def chunk_gated_delta_rule_cp(q, k, v, g, beta, group=None, scale=None, initial_state=None,
                               output_final_state=False, method="auto", backend="reference"):
     """GDN forward over a context-parallel group. Returns (o_local, final_state on the last rank else None).
-
-    `initial_state` `[B, H, K, V]` is read on rank 0 only. Varlen (`cu_seqlens`) is not supported here.
-    """
+    `initial_state` `[B, H, K, V]` is read on rank 0 only. Varlen (`cu_seqlens`) is not supported here."""
     return _cp_forward(q, k, v, g, beta, group, scale, initial_state, output_final_state, method, backend, kda=False)
 
 
@@ -59,7 +53,8 @@ def _summary(k, v, g, beta, backend, kda):
         from schedulers import Problem, schedule_from_segmentation
         from schedulers.problem import Segmentation, split_even
 
-        from .ops.linear_attention import compile_gdn_sm90
+        from .kernels.build import build_fused
+        from .kernels.configs import FusedConfig
 
         H, K, V = k.shape[2], k.shape[3], v.shape[3]
         k, v, beta = k.contiguous(), v.contiguous(), beta.contiguous()   # the kernel flattens [B, T, ...] itself
@@ -67,7 +62,7 @@ def _summary(k, v, g, beta, backend, kda):
         sched = schedule_from_segmentation(problem, Segmentation([split_even(-(-T // 64), 1)] * B))
         summary = torch.empty((2 * B, H, K, V), dtype=torch.float32, device=k.device)
         o_scratch = torch.empty_like(v)
-        compiled = compile_gdn_sm90(k.dtype, beta.dtype, False, False, False, kda, mode="summary")
+        compiled = build_fused(FusedConfig(kda, "summary"), k.dtype, beta.dtype)
         g32 = g.float().contiguous()
         # q is not read for summaries (no outputs): k stands in for it.
         compiled.fn(k, k, v, g32, beta, o_scratch, summary, summary,

@@ -2,14 +2,14 @@
 
 Host half (pure Python): `Problem` -> `SequenceScheduler` / `SegmentScheduler` / `PersistentScheduler`
 -> `Schedule` (ordered tile table + grid); `plan_segments` picks segment counts and explains why.
-Device half (CuTe DSL, imported lazily): `schedulers.device.TileScheduler` (block-index order) and
-`TicketScheduler` (arrival order, for kernels whose tiles wait on earlier ones: `lookback_schedule`).
+Device half (CuTe DSL, imported lazily): `schedulers.device.TileScheduler`, the one object every kernel reads
+its work through (`initial_work`, `advance`; `grid_shape` on the host).
 """
 
 from .heuristics import (SegmentCost, SegmentPlan, plan_segments, plan_segments_by_cost, segmented_cost_us,
                          summary_blocks_of)
-from .host import (PersistentScheduler, Schedule, SegmentScheduler, SequenceScheduler, correction_schedule,
-                   lookback_dependencies, lookback_schedule, schedule_from_segmentation, summary_schedule)
+from .host import (PersistentScheduler, Schedule, SegmentScheduler, SequenceScheduler, schedule_from_segmentation,
+                   summary_schedule)
 from .problem import NUM_TILE_FIELDS, TILE_FIELDS, Problem, Segmentation, WorkTile, ceil_div, split_even
 
 __all__ = [
@@ -25,9 +25,6 @@ __all__ = [
     "TILE_FIELDS",
     "WorkTile",
     "ceil_div",
-    "correction_schedule",
-    "lookback_dependencies",
-    "lookback_schedule",
     "plan_segments",
     "plan_segments_by_cost",
     "segmented_cost_us",

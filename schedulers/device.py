@@ -28,10 +28,8 @@ def grid_shape(schedule) -> tuple[int, int, int]:
 
 
 class WorkTileDevice:
-    """A work tile's fields as Int32 values, read from the tile table, plus a validity flag.
-
-    Carried through `while` loops: it flattens to its index only (fields are re-read from the table).
-    """
+    """A work tile's fields as Int32 values, read from the tile table, plus a validity flag. Carried through
+    `while` loops: it flattens to its index only (fields are re-read from the table)."""
 
     def __init__(self, table: cute.Tensor, index, num_tiles):
         self._table = table
@@ -103,33 +101,3 @@ class TileScheduler:
 
     def __new_from_mlir_values__(self, values):
         return self
-
-
-class TicketScheduler(TileScheduler):
-    """Non-persistent, tiles in arrival order: a CTA's tile is the ticket it drew from an atomic counter
-    (`take_ticket`), not its block index. The CUDA grid may start CTAs in any order; tickets are drawn only by
-    CTAs that already hold an SM, so a tile that waits only on tiles earlier in the table (look-back) never waits
-    on one that has no SM: no deadlock whatever the grid size. The ticket lives in shared memory: one thread
-    draws it before a CTA-wide barrier, every role reads it."""
-
-    def __init__(self, table: cute.Tensor, num_tiles, ticket: cute.Tensor):
-        super().__init__(table, num_tiles, False)
-        self.ticket = ticket
-
-    @staticmethod
-    def create(table: cute.Tensor, num_tiles, ticket: cute.Tensor) -> "TicketScheduler":
-        return TicketScheduler(table, num_tiles, ticket)
-
-    def initial_work(self) -> WorkTileDevice:
-        return WorkTileDevice(self.table, self.ticket[0], self.num_tiles)
-
-
-@cute.jit
-def take_ticket(counter, num_tiles, ticket: cute.Tensor):
-    """One thread: draw the next ticket from the int32 at `counter` (a global pointer) into `ticket[0]` (shared).
-    Every launch draws exactly `num_tiles` tickets, so the one that draws the last resets the counter to 0: the
-    next launch (stream-ordered after this one) starts from 0 without a memset."""
-    t = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
-    if t == num_tiles - 1:
-        cute.arch.store(counter, Int32(0), sem="relaxed", scope="gpu")
-    ticket[0] = t

@@ -2,16 +2,12 @@
 
 The rules, in order (see the README's table):
 1. Tiles already fill the GPU (sequences x heads x blocks >= SMs x CTAs per SM): no split, N = 1.
-2. Aim for `target = SMs x min(CTAs per SM, 2)` CTAs in one wave: at least 2 CTAs per SM where the
-   kernel's occupancy allows (they hide each other's barriers and latencies), 1 where only one fits.
-3. Never cut a segment below `min_chunks` chunks (default 4 chunks = 256 tokens): a sequence shorter
-   than 2 x min_chunks stays whole.
-4. If occupancy allows more than 2 CTAs per SM, add segments up to that wave only while each segment
-   keeps `min_chunks`.
+2. Aim for `target = SMs x min(CTAs per SM, 2)` CTAs in one wave (2 CTAs per SM hide each other's latencies).
+3. Never cut a segment below `min_chunks` chunks: a sequence shorter than 2 x min_chunks stays whole.
+4. If occupancy allows more than 2 CTAs per SM, add segments up to that wave only while each keeps `min_chunks`.
 5. Fixed-length batches: prefer a segment count within 15% below the first choice that divides the chunk
-   count (every segment the same length, so the merge is uniform).
-   Varlen batches: hand out segments one at a time to the sequence whose segments are currently the
-   longest (balanced, longest-first), so every segment has about the same number of chunks.
+   count (uniform segments). Varlen batches: hand out segments one at a time to the sequence whose segments
+   are currently the longest.
 All decisions fit in a single wave, so the tile count never spills a near-empty extra wave.
 """
 
@@ -80,18 +76,10 @@ def _summarize(xs: list[int]) -> str:
     return f"{min(xs)}..{max(xs)} over {len(xs)}"
 
 
-def plan_segments(
-    problem: Problem,
-    sm_count: int,
-    ctas_per_sm: int = 2,
-    min_chunks: int = 4,
-    max_segments: int | None = None,
-) -> SegmentPlan:
-    """Pick the segment count of every sequence of `problem` (see the module docstring for the rules).
-
-    `sm_count` and `ctas_per_sm` are plain numbers (from the device at run time, and from the kernel's
-    occupancy), never read from a GPU here.
-    """
+def plan_segments(problem: Problem, sm_count: int, ctas_per_sm: int = 2, min_chunks: int = 4,
+                  max_segments: int | None = None) -> SegmentPlan:
+    """Pick the segment count of every sequence of `problem` (rules: the module docstring). `sm_count` and
+    `ctas_per_sm` are plain numbers, never read from a GPU here."""
     if sm_count < 1 or ctas_per_sm < 1:
         raise ValueError(f"sm_count and ctas_per_sm must be >= 1, got {sm_count}, {ctas_per_sm}")
     if min_chunks < 1:
@@ -169,9 +157,8 @@ class SegmentCost:
     link_us: the merge's time per segment along one sequence (the serial chain of the affine merge).
     summary_blocks: tiles per segment in the summary launch (2 for the linear-attention path: h_ext and M).
     launch_us: the fixed cost of each extra launch of the segmented path (summary, merge).
-    first_m: whether the first segment of a sequence needs its whole summary (an initial state is given); without
-      one its start is zero, so only h_ext (one tile) is needed. A sequence's last segment never needs a summary
-      (the output launch computes its end state from its true start), see `summary_tiles`.
+    first_m: whether the first segment of a sequence needs its whole summary (an initial state is given); else
+      only h_ext (one tile). A sequence's last segment never needs a summary (see `summary_blocks_of`).
     """
 
     chunk_us: float
@@ -182,9 +169,8 @@ class SegmentCost:
 
 
 def summary_blocks_of(segment: int, num_segments: int, summary_blocks: int, first_m: bool) -> int:
-    """Summary tiles a segment needs: none for a sequence's last segment (its summary would only give the final
-    state, which the output launch computes directly), `summary_blocks` for the others, except one fewer (h_ext
-    only, no M) for the first segment when the start state is zero (`first_m=False`)."""
+    """Summary tiles a segment needs: none for a sequence's last segment (the output launch computes its end),
+    `summary_blocks` for the others, one fewer (h_ext only) for the first when its start is zero (`first_m=False`)."""
     if segment == num_segments - 1:
         return 0
     if segment == 0 and not first_m:
@@ -218,20 +204,24 @@ def segmented_cost_us(problem: Problem, segmentation: Segmentation, cost: Segmen
     return t
 
 
-def plan_segments_by_cost(
-    problem: Problem,
-    sm_count: int,
-    cost: SegmentCost,
-    ctas_per_sm: int = 1,
-    min_chunks: int = 2,
-    max_segments: int | None = None,
-) -> SegmentPlan:
-    """Pick segment counts that minimize `segmented_cost_us` (the unsplit launch included as a candidate).
+def segmented_cost_lower_bound(problem: Problem, n: int, cost: SegmentCost, slots: int) -> float:
+    """A lower bound of `segmented_cost_us` with `n` segments per (fixed-length) sequence: all tiles' chunks spread
+    evenly over the slots, the N - 1 links and two launches. It never decreases as n grows, so a search may stop
+    once it passes the best time."""
+    c = problem.chunks[0]
+    b = split_even(c, n)
+    lens = [b[i + 1] - b[i] for i in range(len(b) - 1)]
+    per_seq = problem.num_heads * problem.num_blocks
+    summary = sum(x * summary_blocks_of(s, len(lens), cost.summary_blocks, cost.first_m) for s, x in enumerate(lens))
+    work = (c + summary) * per_seq * problem.num_seqs
+    return work * cost.chunk_us / slots + (len(lens) - 1) * cost.link_us + 2 * cost.launch_us
 
+
+def plan_segments_by_cost(problem: Problem, sm_count: int, cost: SegmentCost, ctas_per_sm: int = 1, min_chunks: int = 2,
+                          max_segments: int | None = None) -> SegmentPlan:
+    """Pick segment counts that minimize `segmented_cost_us` (the unsplit launch included as a candidate).
     Fixed-length batches try every N from 1 to the cap (chunks / min_chunks); varlen batches add segments one at a
-    time to the sequence with the longest segments and keep the cheapest point on that path. The reasons list the
-    predicted times of the unsplit launch and of the choice.
-    """
+    time to the sequence with the longest segments and keep the cheapest point on that path."""
     if sm_count < 1 or ctas_per_sm < 1 or min_chunks < 1:
         raise ValueError("sm_count, ctas_per_sm and min_chunks must be >= 1")
     chunks = list(problem.chunks)
@@ -250,6 +240,9 @@ def plan_segments_by_cost(
     best_t = base_t = segmented_cost_us(problem, seg_of(ones), cost, slots)
     if problem.is_uniform and chunks:
         for n in range(2, cap(chunks[0]) + 1):
+            # a lower bound of this N's time that never shrinks as N grows: stop once it passes the best
+            if segmented_cost_lower_bound(problem, n, cost, slots) >= best_t * 0.999:
+                break
             t = segmented_cost_us(problem, seg_of([n] * problem.num_seqs), cost, slots)
             if t < best_t * 0.999:  # ties go to fewer segments
                 best, best_t = [n] * problem.num_seqs, t

@@ -1,7 +1,7 @@
 """A probe kernel that records, per CTA, the tiles the device scheduler hands it (GPU test of the protocol).
 
-record[cta, i, :] = the i-th work tile CTA `cta` got (all TILE_FIELDS), count[cta] = how many it got.
-The test compares that with `Schedule.cta_work()`, the host-side enumeration.
+record[cta, i, :] = the i-th work tile CTA `cta` got (all TILE_FIELDS), count[cta] = how many it got; the test
+compares that with `Schedule.cta_work()`.
 """
 
 from __future__ import annotations

@@ -14,13 +14,10 @@ def ceil_div(a: int, b: int) -> int:
 class Problem:
     """A batch of sequences, each processed per head in chunks of `chunk_size` tokens.
 
-    Linear attention: a sequence is one row of the batch (or one `cu_seqlens` entry), a chunk is C tokens
-    of the recurrence, `num_blocks` the number of V tiles each (sequence, head) is split into.
-    Split-KV attention: a sequence is one batch row's KV cache, heads are KV heads, a chunk is one KV
-    block, `num_blocks` the number of query tiles.
-
-    `seq_starts[n]` is the first token of sequence n in the flattened token axis (n * T for a fixed-length
-    batch, `cu_seqlens[n]` in varlen mode).
+    Linear attention: a sequence is one batch row (or `cu_seqlens` entry), a chunk is C tokens of the recurrence,
+    `num_blocks` the number of V tiles per (sequence, head). Split-KV attention: a sequence is one batch row's KV
+    cache, heads are KV heads, a chunk is one KV block, `num_blocks` the number of query tiles.
+    `seq_starts[n]`: sequence n's first token in the flattened token axis (n * T fixed-length, `cu_seqlens[n]` varlen).
     """
 
     seq_lens: tuple[int, ...]
@@ -154,11 +151,8 @@ class Segmentation:
 
 
 def split_even(num_chunks: int, num_segments: int) -> list[int]:
-    """Bounds of `num_segments` contiguous near-equal groups of `num_chunks` chunks, none empty.
-
-    The first `num_chunks % n` segments get one chunk more. A sequence of 0 chunks keeps one empty segment
-    (so that every sequence has a tile that writes its final state).
-    """
+    """Bounds of `num_segments` contiguous near-equal groups of `num_chunks` chunks, none empty; the first
+    `num_chunks % n` get one chunk more. 0 chunks keep one empty segment (a tile that writes the final state)."""
     if num_chunks <= 0:
         return [0, 0]
     n = max(1, min(num_segments, num_chunks))

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REF = "cute_kernels/reference/linear_attention.py"
 OPS = "cute_kernels/ops/linear_attention.py"
-TWO_PHASE = "cute_kernels/ops/two_phase.py"
 HOST = "schedulers/host.py"
 
 
@@ -47,8 +46,10 @@ class Mutant:
 REF_FORMS = ("tests/test_reference.py@forms_agree or summaries or segmentation or frozen or kda_with or literal or scale",)
 REF_MERGE = ("tests/test_reference.py@merge or forms_agree or segmentation",)
 FUSED_HOST = ("tests/test_ops_host.py",)
-TWO_PHASE_HOST = ("tests/test_two_phase.py@segmented_state_pass_orchestration or (wiring and not lookback and not one_pass) "
-                  "or contract or fold_terms",)
+TWO_PHASE_HOST = ("tests/test_two_phase.py@segmented_state_pass_orchestration or wiring or contract or token_factor",)
+PATHS = "cute_kernels/paths/two_phase.py"
+PLAN = "cute_kernels/plan/__init__.py"
+MERGE_RUN = "cute_kernels/paths/merge.py"
 
 CPU_MUTANTS = [
     # -- the carry factor diag(exp(G_last)) S dropped
@@ -58,9 +59,9 @@ CPU_MUTANTS = [
     Mutant("carry factor dropped", "chunk maps M_c (reference)", REF,
            "M[:, c] = _decay_by_last(eye.expand(n, H, K, K), t.decay_last, kda) - kgT @ t.w",
            "M[:, c] = eye.expand(n, H, K, K) - kgT @ t.w", REF_FORMS),
-    Mutant("carry factor dropped", "state-pass spec (two_phase.state_pass_torch)", TWO_PHASE,
-           "S = (decay[..., None] if prep.kda else decay[..., None, None]) * S + kg.transpose(-1, -2) @ v_new",
-           "S = S + kg.transpose(-1, -2) @ v_new", TWO_PHASE_HOST),
+    Mutant("carry factor dropped", "state-pass spec (paths.two_phase.state_pass_torch)", PATHS,
+           "S = (decay[..., None] if terms.kda else decay[..., None, None]) * S + update_key.transpose(-1, -2) @ v_new",
+           "S = S + update_key.transpose(-1, -2) @ v_new", TWO_PHASE_HOST),
     # -- the merge: M zero, identity or transposed; h_ext dropped; the final state one segment early
     Mutant("M replaced by zero in the merge", "reference merge (the CPU tests' merge)", REF,
            "S = M[s] @ S + h[s]", "S = 0 * M[s] @ S + h[s]", REF_MERGE + FUSED_HOST + TWO_PHASE_HOST),
@@ -79,23 +80,21 @@ CPU_MUTANTS = [
            "out.append(WorkTile(n, h, b, s, max(1, ns - 1), seg.seg_offsets[n] + s, c0, c1, t0, t1))",
            FUSED_HOST + TWO_PHASE_HOST),
     # -- a segment boundary shifted by one chunk: the summaries cover other chunks than the outputs
-    Mutant("segment boundary shifted by one chunk", "fused summary launch (ops)", OPS,
+    Mutant("segment boundary shifted by one chunk", "fused summary launch (planner)", PLAN,
            "return schedule, summary_schedule(blocks2, schedule.segmentation, first_m=init)",
            "from schedulers import Segmentation\n"
            "    shifted = Segmentation([[c + (0 < i < len(b) - 1) for i, c in enumerate(b)]\n"
            "                            for b in schedule.segmentation.bounds])\n"
            "    return schedule, summary_schedule(blocks2, shifted, first_m=init)", FUSED_HOST),
-    Mutant("segment boundary shifted by one chunk", "two-phase summary launch (ops)", TWO_PHASE,
-           "summ = summary_schedule(blocks, seg, first_m=init, h_blocks=V // cols)",
-           "summ = summary_schedule(blocks, Segmentation([[c + (0 < i < len(b) - 1) for i, c in enumerate(b)]\n"
-           "                                                     for b in seg.bounds]),\n"
-           "                                        first_m=init, h_blocks=V // cols)", TWO_PHASE_HOST),
+    Mutant("segment boundary shifted by one chunk", "two-phase summary launch (StateRun)", PATHS,
+           "summ = summary_schedule(problem_of(B, T, H, cu, num_blocks=4), seg, first_m=init, h_blocks=2)",
+           "summ = summary_schedule(problem_of(B, T, H, cu, num_blocks=4), Segmentation(\n"
+           "            [[c + (0 < i < len(b) - 1) for i, c in enumerate(b)] for b in seg.bounds]),\n"
+           "            first_m=init, h_blocks=2)", TWO_PHASE_HOST),
     # -- the initial state ignored
-    Mutant("initial state ignored", "op wiring (fused path)", OPS,
-           "    init = initial_state is not None\n", "    init = False\n", FUSED_HOST),
-    Mutant("initial state ignored", "op wiring (two-phase path)", OPS,
-           "plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, initial_state is not None,",
-           "plan = two_phase.state_plan(B, T, H, cu, kda, q.dtype, False,", ("tests/test_two_phase.py@wiring",)),
+    Mutant("initial state ignored", "op wiring (both paths)", OPS,
+           "    init = initial_state is not None\n", "    init = False\n",
+           FUSED_HOST + ("tests/test_two_phase.py@wiring",)),
     Mutant("initial state ignored", "reference start state", REF,
            "    if p.initial_state is None:\n        return p.k.new_zeros",
            "    if True:\n        return p.k.new_zeros", REF_FORMS),
@@ -111,12 +110,86 @@ CPU_MUTANTS = [
     Mutant("last partial chunk's length taken as 64", "tile table (schedulers)", HOST,
            "t0, t1 = start + min(c0 * C, length), start + min(c1 * C, length)",
            "t0, t1 = start + min(c0 * C, length), start + c1 * C", FUSED_HOST + TWO_PHASE_HOST),
-    Mutant("last partial chunk's length taken as 64", "state-pass spec (two_phase.state_pass_torch)", TWO_PHASE,
+    Mutant("last partial chunk's length taken as 64", "state-pass spec (paths.two_phase.state_pass_torch)", PATHS,
            "    for t0 in range(0, T, C):\n        t1 = min(t0 + C, T)\n        L = t1 - t0\n",
            "    for t0 in range(0, T, C):\n        t1 = min(t0 + C, T)\n        L = C\n", TWO_PHASE_HOST),
 ]
 
-GPU_MUTANTS: list[Mutant] = []
+# GPU: bugs planted in the kernels (and the launches' host side), each against a few GPU tests that must catch it.
+# Selections stay small: every mutant compiles the kernels its tests run.
+STATE = "cute_kernels/kernels/sm90/state_pass.py"
+FUSED = "cute_kernels/kernels/sm90/fused.py"
+PREP = "cute_kernels/kernels/sm90/chunk_prep.py"
+LOCAL = "cute_kernels/kernels/sm90/chunk_local.py"
+SIMT_MERGE = "cute_kernels/kernels/merge.py"
+TC_MERGE = "cute_kernels/kernels/sm90/affine_merge_tc.py"
+G_STATE = ("tests/test_two_phase.py@state_pass_kernel and 4096 and zero",)
+G_FUSED = ("tests/test_gdn_sm90.py@long_sequence and fused and weak and True",
+           "tests/test_gdn_sm90.py@matches_reference and fused and True and 100 and not 1000")   # unsplit
+G_TWO = ("tests/test_gdn_sm90.py@long_sequence and two_phase and weak and True",)
+G_SEG = ("tests/test_two_phase.py@two_phase_gate_regimes and zero and 8 and True",
+         "tests/test_segmented.py@segmented_matches and weak and 8 and True")
+G_MERGE = ("tests/test_merge.py@affine_merge_matches_reference or long_chain",) + G_SEG
+G_SCALE = ("tests/test_gdn_sm90.py@scale_final_state_and_l2norm and 300",)
+G_PREP = ("tests/test_two_phase.py@prep_kernel_matches and 1000",)
+G_TAIL = ("tests/test_gdn_sm90.py@varlen and long-and-short and weak and True",)
+GPU_MUTANTS = [
+    Mutant("carry factor dropped", "state pass (GDN)", STATE, "acc_s[i] = acc_s[i] * dg", "acc_s[i] = acc_s[i]",
+           G_STATE, True),
+    Mutant("carry factor dropped", "state pass (KDA)", STATE, "acc_s[i] = acc_s[i] * sEg[kk, stage]",
+           "acc_s[i] = acc_s[i]", G_STATE, True),
+    Mutant("carry factor dropped", "fused kernel (GDN)", FUSED, "acc_s[i] = acc_s[i] * decay_last",
+           "acc_s[i] = acc_s[i]", G_FUSED, True),
+    Mutant("carry factor dropped", "fused kernel (KDA)", FUSED,
+           "acc_s[i] = acc_s[i] * cute.math.exp2(sGL[r], fastmath=True)", "acc_s[i] = acc_s[i]", G_FUSED, True),
+    Mutant("M replaced by zero in the merge", "regs merge", SIMT_MERGE, "mv = m_cur[16 * i + 4 * q + e]",
+           "mv = Float32(0.0) * m_cur[16 * i + 4 * q + e]", G_MERGE, True),
+    Mutant("M replaced by zero in the merge", "tc merge", TC_MERGE, "            apply = slot != first\n",
+           "            apply = slot < first\n", G_MERGE, True),
+    Mutant("M replaced by I in the merge", "regs merge", SIMT_MERGE, "cur[j] = part[j] + h_cur[j]",
+           "cur[j] = cur[j] + h_cur[j]", G_MERGE, True),
+    Mutant("M replaced by I in the merge", "tc merge", TC_MERGE,
+           "                nxt[i] = sH[kk, vv, stage]\n            apply = slot != first\n",
+           "                nxt[i] = sH[kk, vv, stage] + acc[i]\n            apply = slot < first\n", G_MERGE, True),
+    Mutant("M transposed in the merge", "the paths' merge launch", MERGE_RUN,
+           "self.fn(M, h_ext, self.offsets,", "self.fn(M.transpose(-1, -2).contiguous(), h_ext, self.offsets,",
+           G_SEG, True),
+    Mutant("h_ext dropped", "regs merge", SIMT_MERGE, "cur[j] = part[j] + h_cur[j]", "cur[j] = part[j]", G_MERGE,
+           True),
+    Mutant("h_ext dropped", "tc merge", TC_MERGE, "                nxt[i] = sH[kk, vv, stage]\n",
+           "                nxt[i] = Float32(0.0)\n", G_MERGE, True),
+    Mutant("final state taken from the second-to-last segment", "state pass", STATE,
+           "            if work.is_last_segment:\n                seq = work.seq",
+           "            if work.segment == work.num_segments - 2 or work.num_segments == 1:\n"
+           "                seq = work.seq", G_SEG[:1], True),
+    Mutant("final state taken from the second-to-last segment", "fused kernel", FUSED,
+           "                if work.is_last_segment:\n",
+           "                if work.segment == work.num_segments - 2 or work.num_segments == 1:\n", G_SEG[1:], True),
+    Mutant("segment boundary shifted by one chunk", "two-phase summary launch (StateRun)", PATHS,
+           "summ = summary_schedule(problem_of(B, T, H, cu, num_blocks=4), seg, first_m=init, h_blocks=2)",
+           "summ = summary_schedule(problem_of(B, T, H, cu, num_blocks=4), Segmentation(\n"
+           "            [[c + (0 < i < len(b) - 1) for i, c in enumerate(b)] for b in seg.bounds]),\n"
+           "            first_m=init, h_blocks=2)", G_SEG[:1], True),
+    Mutant("initial state ignored", "state pass", STATE,
+           "elif cutlass.const_expr(self.mode == \"segment_outputs\" or self.has_initial_state):",
+           "elif cutlass.const_expr(self.mode == \"segment_outputs\"):", G_STATE + G_TWO, True),
+    Mutant("initial state ignored", "fused kernel", FUSED,
+           "                elif cutlass.const_expr(self.has_initial_state):\n",
+           "                elif cutlass.const_expr(False):\n", G_FUSED, True),
+    Mutant("scale ignored (K^-0.5 used)", "phase 1, compact build (GDN)", PREP,
+           "self.prep_consumer(sched, load, wg, tidx, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st,",
+           "self.prep_consumer(sched, load, wg, tidx, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, "
+           "Float32(0.08838834764831845), st,", G_SCALE, True),
+    Mutant("scale ignored (K^-0.5 used)", "fused kernel", FUSED,
+           "tidx - 128, mG, mBeta, mO, mS0, mSN, scale, st)",
+           "tidx - 128, mG, mBeta, mO, mS0, mSN, Float32(0.08838834764831845), st)", G_SCALE, True),
+    Mutant("beta ignored on one term", "the solve's Xv (chunk-local math)", LOCAL, "yv[e] = io(xb[e])",
+           "yv[e] = io(xv)", G_PREP + G_FUSED, True),
+    Mutant("last partial chunk's length taken as 64", "state pass", STATE,
+           "    if L > C:\n        L = Int32(C)\n    return t0, L", "    L = Int32(C)\n    return t0, L", G_TAIL, True),
+    Mutant("last partial chunk's length taken as 64", "fused kernel", FUSED,
+           "                L = local.rows_in(tok_end - t0)\n", "                L = Int32(C)\n", G_TAIL, True),
+]
 
 
 def tracked_files(root: str) -> list[str]:
@@ -144,7 +217,9 @@ def apply(m: Mutant, root: str) -> None:
 def run_tests(root: str, selections: tuple, extra: list[str], timeout: int, threads: int) -> tuple[int, int, str]:
     """(failed + errors, passed, summary) over the test selections, run in `root` (one pytest run each) with
     `threads` CPU threads (parallel runs must not oversubscribe the cores: torch's spinning threads then crawl)."""
-    env = dict(os.environ, PYTHONPATH=root, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS=str(threads))
+    # the copy first, then whatever the caller's path holds (the GPU machine's packages live there)
+    pythonpath = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = dict(os.environ, PYTHONPATH=pythonpath, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS=str(threads))
     env.pop("CUTE_KERNELS_AOT_WRITE", None)   # a mutant's kernels never go into a shared AOT directory
     failed = passed = 0
     lines = []

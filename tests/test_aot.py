@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from cute_kernels.ops.merge import compile_lse_merge
+from cute_kernels.kernels.build import build_lse_merge as compile_lse_merge
 from cute_kernels.runtime import aot
 import cute_kernels.runtime.compile as rc
 fn = compile_lse_merge(128, torch.bfloat16).fn
@@ -48,7 +48,7 @@ def test_aot_export_then_load(tmp_path):
 @requires_gpu
 def test_aot_kernel_equals_jit(tmp_path, monkeypatch):
     """A kernel exported and loaded back runs like the JIT-compiled one: lse_merge's outputs bitwise equal."""
-    from cute_kernels.ops.merge import compile_lse_merge
+    from cute_kernels.kernels.build import build_lse_merge as compile_lse_merge
     from cute_kernels.runtime import aot
     import cute_kernels.runtime.compile as rc
 

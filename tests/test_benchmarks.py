@@ -255,17 +255,16 @@ def test_segments_parsed_from_plan():
 
 def test_path_parsed_from_plan():
     from benchmarks import report
-    from cute_kernels.ops.linear_attention import PathChoice
-    from schedulers import Problem, SequenceScheduler
+    from cute_kernels.plan import PlanOptions, plan_forward
 
-    two = PathChoice(True, 8, 1, 118.9, 197.0)
-    assert report.path({"extra": {"plan": two.explain()}}) == 2.0
-    assert report.segments({"extra": {"plan": two.explain()}}) == 8.0
-    fused = PathChoice(False, 1, 2, 456.0, 400.0, SequenceScheduler().schedule(Problem.fixed(2, 4096, 16)))
-    assert report.path({"extra": {"plan": fused.explain()}}) == 1.0
+    two = plan_forward(False, 1, 8192, 4, None, False, 132, "H200", None, PlanOptions("auto")).explain(True)
+    assert report.path({"extra": {"plan": two}}) == 2.0
+    assert report.segments({"extra": {"plan": two}}) > 1
+    fused = plan_forward(False, 32, 1024, 32, None, False, 132, "H200", None, PlanOptions("auto")).explain(True)
+    assert report.path({"extra": {"plan": fused}}) == 1.0
     assert report.path({"extra": {"plan": "segment: 4 tiles"}}) is None   # a plan from before the two-phase path
     assert report.path({"extra": {}}) is None
-    rows = [{"B": 1, "H": 4, "T": 64, "ours_us": 1.0, "peer_us": 2.0, "extra": {"plan": two.explain()}}]
+    rows = [{"B": 1, "H": 4, "T": 64, "ours_us": 1.0, "peer_us": 2.0, "extra": {"plan": two}}]
     assert "path chosen by ours" in report.format_report(rows, op="gdn", grid="seed", device="d")
 
 

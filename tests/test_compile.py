@@ -45,7 +45,7 @@ def test_every_variant_written(compiled_dir):
 
 def test_ptx_contents(compiled_dir):
     arch, out, _ = compiled_dir
-    ptx = (out / f"affine_merge_k128_v128_init.{arch}.ptx").read_text()
+    ptx = (out / f"affine_merge_prefetch_k128_v128_init.{arch}.ptx").read_text()
     assert f".target {arch}" in ptx
     assert "ld.global.v4" in ptx  # 16-byte loads of M rows
     assert "bar.sync" in ptx
@@ -54,7 +54,7 @@ def test_ptx_contents(compiled_dir):
     cubin = (out / f"lse_merge_d128_bfloat16.{arch}.cubin").read_bytes()
     assert cubin[:4] == b"\x7fELF"
     if arch == "sm_90a":  # the fused GDN forward: TMA loads, wgmma products, register reallocation
-        ptx = (out / f"gdn_fwd_sm90_bfloat16_betabfloat16_init_final.{arch}.ptx").read_text()
+        ptx = (out / f"gdn_fused_forward_init_final_bfloat16_beta_bfloat16.{arch}.ptx").read_text()
         for needle in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec"):
             assert needle in ptx, needle
 

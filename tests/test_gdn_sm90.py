@@ -13,18 +13,23 @@ from conftest import import_peer, poisoned, rel_err, requires_sm90
 from inputs import GATE_REGIMES, initial_state, make_inputs
 
 import cute_kernels as ck
+import cute_kernels.ops.linear_attention as la
 from cute_kernels import reference as ref
+from cute_kernels.plan import PlanOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True, params=["fused", "two_phase"])
+@pytest.fixture(params=["fused", "two_phase"])
 def path(request, monkeypatch):
-    """Pin the op's path (CUTE_KERNELS_TWO_PHASE 0 / 1) for the test."""
-    from cute_kernels.ops import linear_attention as la
+    """The op's path for the test (`PlanOptions`): every GPU test runs on both; outputs and summaries the runners
+    allocate start as NaN."""
+    from cute_kernels.paths.fused import FusedRun
+    from cute_kernels.paths.two_phase import OverlapRun, PrepRun, StateRun
 
-    monkeypatch.setattr(la, "TWO_PHASE", "1" if request.param == "two_phase" else "0")
-    return request.param
+    for cls in (FusedRun, PrepRun, StateRun, OverlapRun):
+        monkeypatch.setattr(cls, "poison", True)
+    return PlanOptions(path=request.param)
 
 
 # ---------------------------------------------------------------- CPU: input checks
@@ -70,7 +75,7 @@ LAYOUT_CHECK = r"""
 import os
 os.environ["CUTE_DSL_ARCH"] = "sm_90a"
 import cutlass, cutlass.cute as cute
-from cute_kernels.kernels.sm90.gdn_fwd import _smem_layout
+from cute_kernels.kernels.sm90.wgmma_tiles import smem_layout as _smem_layout
 
 @cute.jit
 def check():
@@ -103,16 +108,16 @@ def test_smem_views_alias(tmp_path):
 # ---------------------------------------------------------------- GPU: against float64
 
 
-def run_and_check(B, T, H, gen, with_init, cu_seqlens=None, dtype=torch.bfloat16, kda=False, regime="strong",
-                  scale=None, beta_dtype=None, final=True, l2norm=False, g_scale=1.0, g_fill=None):
-    """One op call against the float64 reference: outputs NaN-poisoned before each of two runs, which must be
-    bitwise equal; o and the final state within 5e-3 (rel. RMS). `final=False`: output_final_state=False (the
-    final state is neither stored nor returned); `l2norm`: raw q, k with use_qk_l2norm_in_kernel=True."""
+def run_and_check(path, B, T, H, gen, with_init, cu_seqlens=None, dtype=torch.bfloat16, kda=False,
+                  regime="strong", scale=None, beta_dtype=None, final=True, l2norm=False, g_scale=1.0, g_fill=None):
+    """One op call on `path` (PlanOptions) against the float64 reference: outputs NaN-poisoned before each of two
+    runs, which must be bitwise equal; o and the final state within 5e-3 (rel. RMS). `final=False`:
+    output_final_state=False (the final state is neither stored nor returned); `l2norm`: raw q, k with
+    use_qk_l2norm_in_kernel=True."""
     dev = torch.device("cuda")
     q, k, v, g, beta = make_inputs(B, T, H, gen, dev, dtype, kda=kda, regime=regime, beta_dtype=beta_dtype,
                                    normalize=not l2norm)
     g = torch.full_like(g, g_fill) if g_fill is not None else g * g_scale
-    op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     init = initial_state(N, H, gen, dev) if with_init else None
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32, device=dev)
@@ -122,8 +127,7 @@ def run_and_check(B, T, H, gen, with_init, cu_seqlens=None, dtype=torch.bfloat16
     outs = []
     for _ in range(2):
         out = (poisoned((B, T, H, 128), dtype, dev), poisoned((N, H, 128, 128), torch.float32, dev) if final else None)
-        o, s = op(q, k, v, g, beta, scale=scale, initial_state=init, output_final_state=final, cu_seqlens=cu,
-                  use_qk_l2norm_in_kernel=l2norm, out=out)
+        o, s = la.forward(q, k, v, g, beta, scale, init, final, cu, l2norm, None, out, kda=kda, options=path)
         assert o is out[0] and not o.isnan().any()
         if final:
             assert s is out[1] and not s.isnan().any()
@@ -143,21 +147,21 @@ def run_and_check(B, T, H, gen, with_init, cu_seqlens=None, dtype=torch.bfloat16
 @pytest.mark.parametrize("T", [1, 64, 100, 1000, 4096])
 @pytest.mark.parametrize("B,H", [(1, 1), (3, 4), (1, 16)])
 @pytest.mark.parametrize("with_init", [False, True])
-def test_gdn_matches_reference(B, T, H, with_init):
+def test_gdn_matches_reference(B, T, H, with_init, path):
     gen = torch.Generator().manual_seed(T * 100 + B * 10 + H + with_init)
-    run_and_check(B, T, H, gen, with_init)
+    run_and_check(path, B, T, H, gen, with_init)
 
 
 @requires_sm90
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("regime", GATE_REGIMES)
 @pytest.mark.parametrize("with_init", [False, True])
-def test_long_sequence_in_every_gate_regime(kda, regime, with_init):
+def test_long_sequence_in_every_gate_regime(kda, regime, with_init, path):
     """A long sequence (T = 4100: not a multiple of 64) in every gate regime, through the path's default plan
     (segments by the cost model): with weak or zero decay the state carried across chunks and segments is most
     of the output, so a wrong carry, summary or merge shows."""
     gen = torch.Generator().manual_seed(41 + 2 * kda + 4 * with_init + 8 * GATE_REGIMES.index(regime))
-    run_and_check(1, 4100, 4, gen, with_init, kda=kda, regime=regime)
+    run_and_check(path, 1, 4100, 4, gen, with_init, kda=kda, regime=regime)
 
 
 # one very long sequence among many short ones (3 to 75 tokens, one empty)
@@ -170,38 +174,38 @@ LONG_AND_SHORT = list(itertools.accumulate([0, 4500] + [3 * n for n in range(1, 
 @pytest.mark.parametrize("regime", GATE_REGIMES)
 @pytest.mark.parametrize("cu", [[0, 1, 65, 65, 1000, 1063, 3000], LONG_AND_SHORT], ids=["mixed", "long-and-short"])
 @pytest.mark.parametrize("with_init", [False, True])
-def test_varlen(kda, regime, cu, with_init):
+def test_varlen(kda, regime, cu, with_init, path):
     gen = torch.Generator().manual_seed(11 + kda + 2 * GATE_REGIMES.index(regime) + 16 * len(cu) + with_init)
-    run_and_check(1, cu[-1], 4 if len(cu) < 10 else 2, gen, with_init, cu_seqlens=cu, kda=kda, regime=regime)
+    run_and_check(path, 1, cu[-1], 4 if len(cu) < 10 else 2, gen, with_init, cu_seqlens=cu, kda=kda, regime=regime)
 
 
 @requires_sm90
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("dtype,beta_dtype", [(torch.float16, None), (torch.float16, torch.float32),
                                               (torch.bfloat16, torch.float32)], ids=["fp16", "fp16-beta32", "beta32"])
-def test_dtypes(kda, dtype, beta_dtype):
+def test_dtypes(kda, dtype, beta_dtype, path):
     """fp16 inputs (GDN and KDA), and beta in fp32 beside 16-bit q, k, v."""
     gen = torch.Generator().manual_seed(5 + kda + (beta_dtype is not None) * 2 + (dtype == torch.float16) * 4)
-    run_and_check(2, 300, 2, gen, True, dtype=dtype, beta_dtype=beta_dtype, kda=kda, regime="weak")
+    run_and_check(path, 2, 300, 2, gen, True, dtype=dtype, beta_dtype=beta_dtype, kda=kda, regime="weak")
 
 
 @requires_sm90
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("T", [300, 4100])
-def test_scale_final_state_and_l2norm(kda, T):
+def test_scale_final_state_and_l2norm(kda, T, path):
     """A non-default scale; output_final_state=False (T = 300: one launch or segment; 4100: the segmented
     plans); use_qk_l2norm_in_kernel=True on raw q, k."""
     gen = torch.Generator().manual_seed(77 + kda + T)
-    run_and_check(1, T, 4, gen, True, kda=kda, regime="weak", scale=0.3)
-    run_and_check(1, T, 4, gen, True, kda=kda, regime="weak", final=False)
-    run_and_check(1, T, 4, gen, False, kda=kda, regime="mixed", l2norm=True)
+    run_and_check(path, 1, T, 4, gen, True, kda=kda, regime="weak", scale=0.3)
+    run_and_check(path, 1, T, 4, gen, True, kda=kda, regime="weak", final=False)
+    run_and_check(path, 1, T, 4, gen, False, kda=kda, regime="mixed", l2norm=True)
 
 
 @requires_sm90
-def test_gdn_against_fla():
+def test_gdn_against_fla(path):
     fla = import_peer("fla.ops.gated_delta_rule")
     gen = torch.Generator().manual_seed(9)
-    q, k, v, g, beta, init, o, s = run_and_check(2, 1000, 4, gen, True)
+    q, k, v, g, beta, init, o, s = run_and_check(path, 2, 1000, 4, gen, True)
     o_fla, s_fla = fla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=True)
     assert rel_err(o, o_fla) <= 1e-2 and rel_err(s, s_fla) <= 1e-2
 
@@ -209,28 +213,28 @@ def test_gdn_against_fla():
 @requires_sm90
 @pytest.mark.parametrize("T", [1, 64, 100, 1000])
 @pytest.mark.parametrize("with_init", [False, True])
-def test_kda_matches_reference(T, with_init):
-    run_and_check(2, T, 3, torch.Generator().manual_seed(T + 7 * with_init), with_init, kda=True)
+def test_kda_matches_reference(T, with_init, path):
+    run_and_check(path, 2, T, 3, torch.Generator().manual_seed(T + 7 * with_init), with_init, kda=True)
 
 
 @requires_sm90
-def test_kda_strong_decay():
+def test_kda_strong_decay(path):
     """Decays far past FLA's lower bound (up to -20 per step and channel): still finite and right."""
-    run_and_check(1, 500, 2, torch.Generator().manual_seed(4), False, kda=True, g_scale=4.0)
+    run_and_check(path, 1, 500, 2, torch.Generator().manual_seed(4), False, kda=True, g_scale=4.0)
 
 
 @requires_sm90
 @pytest.mark.parametrize("g_fill", [-5.0, -5.3, -8.0])
-def test_kda_anchor_paths(g_fill):
+def test_kda_anchor_paths(g_fill, path):
     """Constant decays on both sides of the anchored path's limit (2^112 per 16 rows = -5.18 per step): FLA's
     lower bound -5 takes the fast anchored products, -5.3 and -8 the exact diagonal path; all must be right."""
-    run_and_check(1, 300, 2, torch.Generator().manual_seed(6), True, kda=True, g_fill=g_fill)
+    run_and_check(path, 1, 300, 2, torch.Generator().manual_seed(6), True, kda=True, g_fill=g_fill)
 
 
 @requires_sm90
-def test_kda_against_fla():
+def test_kda_against_fla(path):
     fla = import_peer("fla.ops.kda")
     gen = torch.Generator().manual_seed(19)
-    q, k, v, g, beta, init, o, s = run_and_check(2, 1000, 4, gen, True, kda=True)
+    q, k, v, g, beta, init, o, s = run_and_check(path, 2, 1000, 4, gen, True, kda=True)
     o_fla, s_fla = fla.chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True)
     assert rel_err(o, o_fla) <= 1e-2 and rel_err(s, s_fla) <= 1e-2

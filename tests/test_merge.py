@@ -7,7 +7,7 @@ import torch
 from conftest import poisoned, rel_err, requires_gpu
 
 import cute_kernels as ck
-import cute_kernels.ops.merge as merge_ops
+from cute_kernels.kernels.configs import merge_fits
 from cute_kernels import reference as ref
 from schedulers import Problem, SegmentScheduler
 
@@ -68,14 +68,15 @@ def test_lse_merge_bad_input():
 # ---------------------------------------------------------------- GPU: against the references
 
 
-@requires_gpu
-@pytest.mark.parametrize("K,V", [(128, 128), (64, 64), (128, 64)])
-@pytest.mark.parametrize("with_init", [True, False])
-@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring", "regs", "tc"])
-def test_affine_merge_matches_reference(K, V, with_init, impl, monkeypatch):
-    import cute_kernels.ops.merge as merge_ops
+IMPLS = ("staged", "prefetch", "regs", "tc")
+# every impl on every (K, V) it handles (regs and tc: K = 128; tc: V a multiple of 64)
+SIZES = [(impl, K, V) for impl in IMPLS for K, V in [(128, 128), (64, 64), (128, 64)] if merge_fits(impl, K, V)]
 
-    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", impl)
+
+@requires_gpu
+@pytest.mark.parametrize("impl,K,V", SIZES)
+@pytest.mark.parametrize("with_init", [True, False])
+def test_affine_merge_matches_reference(impl, K, V, with_init):
     gen = torch.Generator().manual_seed(1000 * K + V + with_init)
     dev = torch.device("cuda")
     # Varlen layout straight from a scheduler: very unequal lengths, one sequence with 0 tokens.
@@ -85,24 +86,23 @@ def test_affine_merge_matches_reference(K, V, with_init, impl, monkeypatch):
     M, h = summaries(slots, H, K, V, dev, gen)
     init = torch.randn(N, H, K, V, generator=gen).to(dev) if with_init else None
     out = (poisoned((slots, H, K, V), torch.float32, dev), poisoned((N, H, K, V), torch.float32, dev))
-    starts, final = ck.affine_merge(M, h, sched.seg_offsets, init, out=out)
+    starts, final = ck.affine_merge(M, h, sched.seg_offsets, init, out=out, impl=impl)
     want_starts, want_final = ref.affine_merge(M.double(), h.double(), sched.seg_offsets,
                                                None if init is None else init.double())
     assert not starts.isnan().any() and not final.isnan().any()
     assert rel_err(starts, want_starts) <= 1e-5
     assert rel_err(final, want_final) <= 1e-5
     # Bitwise identical on a second run.
-    again = ck.affine_merge(M, h, torch.tensor(sched.seg_offsets, device=dev), init)
+    again = ck.affine_merge(M, h, torch.tensor(sched.seg_offsets, device=dev), init, impl=impl)
     assert torch.equal(again[0], starts) and torch.equal(again[1], final)
 
 
 @requires_gpu
 @pytest.mark.parametrize("with_init", [True, False])
-@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring", "regs", "tc"])
-def test_affine_merge_starts_only_never_reads_unneeded_summaries(with_init, impl, monkeypatch):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_affine_merge_starts_only_never_reads_unneeded_summaries(with_init, impl):
     """The segmented forward leaves each sequence's last summary (and, without an initial state, the first M)
     unwritten: NaN there must not reach any start state."""
-    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", impl)
     gen = torch.Generator().manual_seed(31 + with_init)
     dev, H = torch.device("cuda"), 2
     offs, slots, N, M, h, init = varlen_case(H, 7, with_init, gen, dev)
@@ -114,50 +114,21 @@ def test_affine_merge_starts_only_never_reads_unneeded_summaries(with_init, impl
             if not with_init:
                 M[offs[n]] = float("nan")
     out = (poisoned((slots, H, 128, 128), torch.float32, dev),)
-    starts, final = ck.affine_merge(M, h, offs, init, out=out, starts_only=True)
+    starts, final = ck.affine_merge(M, h, offs, init, out=out, starts_only=True, impl=impl)
     assert final is None and starts is out[0]
     assert not starts.isnan().any()
     assert rel_err(starts, want_starts) <= 1e-5
-    again, _ = ck.affine_merge(M, h, offs, init, starts_only=True)
+    again, _ = ck.affine_merge(M, h, offs, init, starts_only=True, impl=impl)
     assert torch.equal(again, starts)
 
 
 @requires_gpu
-@pytest.mark.parametrize("with_init", [True, False])
-@pytest.mark.parametrize("impl", ["regs", "tc"])
-def test_publishing_merge_counts_every_start_with_readers(with_init, impl, monkeypatch):
-    """`affine_merge_starts_plan(final=True, flags=...)` (STATE_EARLY_CORRECTION's merge): start and final states
-    bitwise those of the plain plan, and after the launch every slot with readers holds `writers` (every CTA of
-    each head published once), every slot without readers 0, the readers untouched."""
-    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", impl)
-    gen = torch.Generator().manual_seed(41 + with_init)
-    dev, H = torch.device("cuda"), 3
-    offs, slots, N, M, h, init = varlen_case(H, 5, with_init, gen, dev)
-    readers = torch.randint(0, 3, (slots,), generator=gen, dtype=torch.int32)
-    flags = torch.cat([readers, torch.zeros(slots * H, dtype=torch.int32)]).to(dev)
-    plain = merge_ops.affine_merge_starts_plan(N, H, slots, offs, with_init, dev, final=True)
-    publishing = merge_ops.affine_merge_starts_plan(N, H, slots, offs, with_init, dev, final=True, flags=flags)
-    assert publishing.writers == 128 // (8 if impl == "regs" else 64)
-    want_final, final = (torch.full((N, H, 128, 128), float("nan"), device=dev) for _ in range(2))
-    want = plain(M, h, init, want_final)
-    starts = publishing(M, h, init, final)
-    torch.cuda.synchronize()
-    assert torch.equal(starts, want) and torch.equal(final, want_final) and not final.isnan().any()
-    counts = flags[slots:].view(slots, H).cpu()
-    expect = torch.where(readers > 0, publishing.writers, 0).to(torch.int32)[:, None].expand(slots, H)
-    assert torch.equal(counts, expect) and torch.equal(flags[:slots].cpu(), readers)
-
-
-@requires_gpu
-@pytest.mark.parametrize("impl", ["simt", "staged", "prefetch", "ring", "regs", "tc"])
-def test_affine_merge_long_chain(impl, monkeypatch):
-    import cute_kernels.ops.merge as merge_ops
-
-    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", impl)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_affine_merge_long_chain(impl):
     gen = torch.Generator().manual_seed(7)
     dev = torch.device("cuda")
     M, h = summaries(64, 2, 128, 128, dev, gen)
-    starts, final = ck.affine_merge(M, h, [0, 64])
+    starts, final = ck.affine_merge(M, h, [0, 64], impl=impl)
     want_starts, want_final = ref.affine_merge(M.double(), h.double(), [0, 64])
     assert rel_err(final, want_final) <= 1e-5 and rel_err(starts, want_starts) <= 1e-5
 
@@ -217,26 +188,19 @@ def test_lse_merge_schedule_layout():
     assert rel_err(lse, torch.stack(want_lse)) <= 1e-5
 
 
-def test_merge_variant_choice(monkeypatch):
-    """'auto' takes regs (K = 128) or prefetch while their grid (V/8 x heads x sequences) fits one CTA per SM, else
-    tc at K = 128, else staged; a variant that does not fit the sizes falls back to one that does; unsupported
-    sizes name K and V."""
-    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "auto")
-    assert merge_ops.merge_impl_for(1, 4, 128, 128, 132) == "regs"          # 64 CTAs
-    assert merge_ops.merge_impl_for(1, 4, 64, 64, 132) == "prefetch"        # 32 CTAs, K = 64: no regs
-    assert merge_ops.merge_impl_for(4, 16, 128, 128, 132) == "tc"           # 1024 prefetch CTAs, K = 128
-    assert merge_ops.merge_impl_for(4, 16, 64, 128, 132) == "staged"        # K = 64: no tc
-    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "staged")
-    assert merge_ops.merge_impl_for(1, 1, 128, 16, 132) == "simt"           # V = 16 has no 32-column tile
-    assert merge_ops.merge_impl_for(1, 1, 64, 8, 132) == "prefetch"
+def test_merge_variant_choice():
+    """The planner's merge: regs (K = 128) or prefetch while their grid (V/8 x heads x sequences) fits one CTA per
+    SM, else tc at K = 128, else staged; where that one does not handle V, the first that does; a forced impl must
+    handle K and V; unsupported sizes name K and V."""
+    from cute_kernels.plan import merge_impl_for
+
+    assert merge_impl_for(1, 4, 128, 128, 132) == "regs"          # 64 CTAs
+    assert merge_impl_for(1, 4, 64, 64, 132) == "prefetch"        # 32 CTAs, K = 64: no regs
+    assert merge_impl_for(4, 16, 128, 128, 132) == "tc"           # 1024 prefetch CTAs, K = 128
+    assert merge_impl_for(4, 16, 64, 128, 132) == "staged"        # K = 64: no tc
+    assert merge_impl_for(8, 16, 128, 16, 132) == "prefetch"      # V = 16: no 64- or 32-column tile
     with pytest.raises(ValueError, match="K=48"):
-        merge_ops.merge_impl_for(1, 1, 48, 128, 132)
-    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "tc")                # tensor cores: K = 128 only
-    assert merge_ops.merge_impl_for(1, 4, 128, 128, 132) == "tc"
-    assert merge_ops.merge_impl_for(1, 4, 64, 64, 132) == "simt"
-    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "regs")              # K = 128 only
-    assert merge_ops.merge_impl_for(1, 4, 128, 64, 132) == "regs"
-    assert merge_ops.merge_impl_for(1, 4, 64, 64, 132) == "simt"
-    monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", "fast")
-    with pytest.raises(ValueError, match="CUTE_KERNELS_AFFINE_MERGE"):
-        merge_ops.merge_impl_for(1, 1, 128, 128, 132)
+        merge_impl_for(1, 1, 48, 128, 132)
+    assert merge_impl_for(1, 4, 64, 64, 132, "staged") == "staged"
+    with pytest.raises(ValueError, match="impl 'tc'"):
+        merge_impl_for(1, 4, 64, 64, 132, "tc")                    # tensor cores: K = 128 only

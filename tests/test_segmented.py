@@ -11,7 +11,10 @@ from conftest import poisoned, rel_err, requires_sm90
 from inputs import GATE_REGIMES, LONG_REGIMES, initial_state, make_inputs
 
 import cute_kernels as ck
+import cute_kernels.ops.linear_attention as la
 from cute_kernels import reference as ref
+from cute_kernels.paths.fused import FusedRun
+from cute_kernels.plan import PlanOptions
 from schedulers import SegmentScheduler, SequenceScheduler
 
 # the affine-merge variants `auto` picks for K = V = 128 (few (sequence, head) pairs: regs; many: tc)
@@ -22,24 +25,25 @@ PLANNED_MERGES = ("regs", "tc")
 def poison_summaries(monkeypatch):
     """Summary slots the summary launch leaves unwritten (each sequence's last segment; the first M without an
     initial state) hold NaN: reading one would show in the results."""
-    from cute_kernels.ops import linear_attention as la
-
-    monkeypatch.setattr(la, "_POISON_SUMMARIES", True)
+    monkeypatch.setattr(FusedRun, "poison", True)
 
 
-def errors(B, T, H, N, with_init, kda, cu=None, seed=0, final=True, regime="strong", merge=None, monkeypatch=None):
-    """(segmented o error, unsegmented o error), (the same for the final state) against float64."""
-    if merge is not None:
-        import cute_kernels.ops.merge as merge_ops
+def errors(B, T, H, N, with_init, kda, cu=None, seed=0, final=True, regime="strong", merge=None):
+    """(segmented o error, unsegmented o error), (the same for the final state) against float64: the fused path
+    split into N segments (joined by `merge`, else the planner's), and unsplit."""
+    options = PlanOptions("fused", merge=merge)
 
-        monkeypatch.setattr(merge_ops, "AFFINE_MERGE_IMPL", merge)
+    def op(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, scheduler=None,
+           out=None):
+        return la.forward(q, k, v, g, beta, None, initial_state, output_final_state, cu_seqlens, False, scheduler,
+                          out, kda=kda, options=options)
+
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(seed)
     q, k, v, g, beta = make_inputs(B, T, H, gen, dev, kda=kda, regime=regime)
     n_seqs = B if cu is None else len(cu) - 1
     init = initial_state(n_seqs, H, gen, dev) if with_init else None
     cut = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
-    op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
                                                    cu_seqlens=cut)
     plain_o, plain_s = op(q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cut,
@@ -72,10 +76,9 @@ SEGMENTED_CASES = ([(n, "strong") for n in (2, 3, 8, 32)] + [(n, r) for r in LON
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("with_init", [False, True])
 @pytest.mark.parametrize("merge", PLANNED_MERGES)
-def test_segmented_matches(N, regime, kda, with_init, merge, monkeypatch):
+def test_segmented_matches(N, regime, kda, with_init, merge):
     seed = N + 64 * GATE_REGIMES.index(regime) + 7 * kda + 3 * with_init
-    (eo, po), (es, ps) = errors(1, 4096, 4, N, with_init, kda, seed=seed, regime=regime, merge=merge,
-                                monkeypatch=monkeypatch)
+    (eo, po), (es, ps) = errors(1, 4096, 4, N, with_init, kda, seed=seed, regime=regime, merge=merge)
     assert eo <= max(2 * po, 1e-3) and es <= max(2 * ps, 1e-3), (eo, po, es, ps)
     assert eo <= 5e-3 and es <= 5e-3
 
@@ -92,10 +95,10 @@ def test_segmented_without_final_state(kda, regime):
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("regime", GATE_REGIMES)
 @pytest.mark.parametrize("merge", PLANNED_MERGES)
-def test_segmented_varlen(kda, regime, merge, monkeypatch):
+def test_segmented_varlen(kda, regime, merge):
     cu = [0, 1, 65, 65, 1000, 1063, 6000]
     (eo, po), (es, ps) = errors(1, cu[-1], 2, 8, True, kda, cu=cu, seed=3 + GATE_REGIMES.index(regime),
-                                regime=regime, merge=merge, monkeypatch=monkeypatch)
+                                regime=regime, merge=merge)
     assert eo <= max(2 * po, 1e-3) and es <= max(2 * ps, 1e-3), (eo, po, es, ps)
     assert eo <= 5e-3 and es <= 5e-3
 
@@ -103,22 +106,18 @@ def test_segmented_varlen(kda, regime, merge, monkeypatch):
 @requires_sm90
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("regime", ["strong", "zero"])
-def test_auto_segments_default_path(kda, regime, monkeypatch):
-    """scheduler=None with AUTO_SEGMENTS on (the cost model picks N): B=1 H=4 T=4096 splits, stays within 5e-3
-    of float64, and reruns bitwise identical (AUTO_SEGMENTS is on by default; this pins it on)."""
-    from cute_kernels.ops import linear_attention as la
-
-    monkeypatch.setattr(la, "AUTO_SEGMENTS", True)
-    monkeypatch.setattr(la, "TWO_PHASE", "0")   # the fused path (tests/test_two_phase.py covers the other)
+def test_auto_segments_default_path(kda, regime):
+    """The fused path with scheduler=None (the cost model picks N): B=1 H=4 T=4096 splits, stays within 5e-3 of
+    float64, and reruns bitwise identical."""
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(11)
     q, k, v, g, beta = make_inputs(1, 4096, 4, gen, dev, kda=kda, regime=regime)
-    op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True)
     runs = []
     for _ in range(2):
         out = (poisoned((1, 4096, 4, 128), q.dtype, dev), poisoned((1, 4, 128, 128), torch.float32, dev))
-        runs.append(op(q, k, v, g, beta, output_final_state=True, out=out))
+        runs.append(la.forward(q, k, v, g, beta, None, None, True, None, False, None, out, kda=kda,
+                               options=PlanOptions("fused")))
     assert "segments per sequence: 1 " not in ck.last_plan() and "segments per sequence" in ck.last_plan()
     (o, s), (o2, s2) = runs
     assert torch.equal(o, o2) and torch.equal(s, s2)

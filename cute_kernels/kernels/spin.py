@@ -1,14 +1,6 @@
-"""Waits on counters in global memory (every arch's kernels): bounded, so a wait that can never end fails loudly.
-
-The look-back state pass, the overlapped path (`consume`) and the one-pass forward's early correction spin on
-counts that other CTAs (or another grid) publish with release semantics. If a publisher never comes -- a protocol
-bug, a launch that could not start beside a spinning grid -- an unbounded spin hangs the process. Here a waiting
-thread counts its acquire loads and executes `trap` after SPIN_LIMIT of them (seconds of waiting, far beyond any
-real wait in these kernels: those last at most one launch of the other grid), so the launch fails with an error
-instead ("unspecified launch failure"; the CUDA context is then unusable, as after any trap).
-Bounded: every wait of the early correction and of `consume`, the look-back's producer wait on a summary count and
-its consumer wait on the predecessor's end flag. The look-back consumer's own look at the summary count stays a
-plain loop (a counter there made ptxas spill), but it comes after the producer's bounded wait on the same count.
+"""Bounded waits on counters in global memory (every arch's kernels): a wait that can never end fails loudly.
+A waiting thread counts its acquire loads and executes `trap` after SPIN_LIMIT of them (far beyond any real wait),
+so the launch fails ("unspecified launch failure"; the CUDA context is then unusable) instead of hanging.
 """
 
 from __future__ import annotations
@@ -43,22 +35,3 @@ def count_spin(spins) -> Int32:
     if spins > SPIN_LIMIT:
         trap()
     return spins
-
-
-@cute.jit
-def wait_at_least(ptr, need) -> Int32:
-    """One thread: gpu-scope acquire loads of the int32 at `ptr` (a global pointer) until it is >= `need`;
-    returns the value seen. Traps after SPIN_LIMIT loads."""
-    seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-    spins = Int32(0)
-    while seen < need:
-        spins = count_spin(spins)
-        seen = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-    return seen
-
-
-@cute.jit
-def wait_nonzero(ptr) -> Int32:
-    """`wait_at_least(ptr, 1)` for a flag that is set, not counted."""
-    return wait_at_least(ptr, Int32(1))
-

@@ -4,29 +4,15 @@
 Storage: one C x C buffer holds A in its strictly lower part; X's strictly lower part is written transposed
 into the (unused) upper part, so A stays readable while X is built. X has a unit diagonal.
 - Level 0, one column c of each 16 x 16 diagonal block b (64 threads): right-looking substitution. x starts as
-  e_c; once x_i is final, every later row r takes x_r -= A[r, i] x_i (independent updates, a 16-step critical
-  path). Rows above c stay 0 by construction.
+  e_c; once x_i is final, every later row r takes x_r -= A[r, i] x_i. Rows above c stay 0 by construction.
 - Doubling levels h = 16, 32: each diagonal block of size 2 h is [[X_00, 0], [X_10, X_11]] with X_00, X_11 the
   inverses of its h-blocks (already built) and X_10 = -X_11 A_10 X_00, in two phases:
-  Y = A_10 X_00, then X_10 = -(Y + X_11^strict Y), each sum split into 4 partial sums by term index mod 4
-  (shorter dependency chains), added as (p0 + p1) + (p2 + p3).
-`blocked_unit_lower_inverse` follows those steps on a torch buffer (vectorized over the threads of a step).
-
-`product_unit_lower_inverse` is the first tensor-core form studied for the doubling levels: the same level 0, then each X_10 = -X_11 (A_10 X_00) as two matrix products whose operands are
-rounded to the tensor cores' input type (`operand`) and accumulated in fp32. Measured on the CPU
-(tests/test_reference.py, 20 chunks each): tf32 operands rounded to nearest (cvt.rna.tf32.f32 before the wgmma)
-keep w within 1.1e-3 of float64 even with one key repeated through the chunk (the worst conditioning; 8e-5 with
-random keys), truncated tf32 (the raw fp32 bits fed to the wgmma) 3.5e-3, bf16 operands 9.5e-3: too coarse.
-The kernel builds (`solve_levels_mma`, `blocked_unit_lower_inverse(operand="tf32")`) keep the unit diagonal of
-X_11 in fp32 -- X_10 = -(Y + X_11^strict Y) -- which is slightly more accurate (1.12e-3 / 6e-5), with warp-level
-mma.sync m16n8k8: the CuTe DSL (4.8.1) has no tf32 warpgroup (wgmma) op.
-
-Level 0 on the tensor cores (session 19, CPU only): the series form of each 16 x 16 block,
-(I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8) (`series_block_inverse`, six 16 x 16 products), is unusable in
-tf32: with one key repeated through the chunk |A^8| reaches ~1e3 and w's error ~1.6 (fp32 operands: 9.5e-4).
-Level 0 on 8 x 8 blocks by substitution with a third tensor-core level h = 8
-(`blocked_unit_lower_inverse(block=8, operand="tf32")`) keeps w within ~1.2e-3 of float64 -- as the 16-row
-build -- with an 8-step critical path and a quarter of level 0's work.
+  Y = A_10 X_00, then X_10 = -(Y + X_11^strict Y), each sum split into 4 partial sums by term index mod 4,
+  added as (p0 + p1) + (p2 + p3).
+`blocked_unit_lower_inverse` follows those steps on a torch buffer (vectorized over the threads of a step); with
+`operand="tf32"` it is the kernels' tensor-core levels (`solve_levels_mma`: tf32 operands rounded to nearest, the
+unit diagonal of X_11 in fp32, warp-level mma.sync since CuTe DSL has no tf32 wgmma op).
+`product_unit_lower_inverse` and `series_block_inverse` are alternative tensor-core forms, for accuracy tests.
 """
 
 from __future__ import annotations
@@ -127,8 +113,7 @@ def product_unit_lower_inverse(A: torch.Tensor, operand: str = "tf32", block: in
 def series_block_inverse(A: torch.Tensor, operand: str = "tf32", block: int = BLOCK) -> torch.Tensor:
     """The diagonal blocks of (I + A)^-1 (zeros elsewhere) for strictly lower A [C, C], each as the product
     (I - a)(I + a^2)(I + a^4)(I + a^8) of its block a (exact for block <= 16: a is nilpotent), every product on
-    `round_operand(., operand)` inputs with fp32 accumulation -- the tensor-core form of level 0 studied and
-    rejected (see the module docstring)."""
+    `round_operand(., operand)` inputs with fp32 accumulation: a tensor-core form of level 0 (too coarse in tf32)."""
     assert block <= 16, "the series stops at a^8: blocks of at most 16 rows"
     C = A.shape[0]
     A = torch.tril(A.float(), -1)

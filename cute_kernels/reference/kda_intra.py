@@ -21,12 +21,9 @@ Exact path (otherwise), where no positive number is exponentiated:
 So any g <= 0 is accepted (no lower-bound contract); chunks past the limit only run slower.
 
 Row-anchored fast form (`form="rows"`, the SM90 phase-1 kernel's): under the same limit, every row is anchored at
-the first row a(r) of its OWN 16-row block, so the left factors x_r exp(G_r - G_a(r)) (<= 1) are formed once for
-all 64 rows, and so is R0_i = k_i exp(G_a(i) - G_i) (<= 2^112, fp32). Block (p, q) with p = q + delta needs the
-right factor k_i exp(G_a(p) - G_i) = R0_i c_pq with the channel factor c_pq = exp(G_a(p) - G_a(q)) (<= 1 for
-p > q; 1 for delta = 0): one right matrix per delta (column blocks 0 .. nb - 1 - delta, R0 times c in fp32, then
-rounded) and one full-height product per delta, of which block band delta is kept. Four 64-row products replace
-the column form's four rounds of factors.
+the first row a(r) of its OWN 16-row block: left factors x_r exp(G_r - G_a(r)) (<= 1), R0_i = k_i exp(G_a(i) - G_i)
+(<= 2^112, fp32); block (p, q), p = q + delta, uses the right factor R0_i c_pq, c_pq = exp(G_a(p) - G_a(q)) <= 1:
+one right matrix and one full-height product per delta, of which block band delta is kept.
 `intra_chunk_blocked` computes the two matrices the kernels' way, with operands rounded to `operand_dtype` as
 the tensor-core products see them and fp32 accumulation.
 """

@@ -8,8 +8,7 @@ The math is in ``shared/design/linear_attention.md``. Layouts follow flash-linea
 * states: ``[N, H, K, V]`` with ``N = B``, or ``N = len(cu_seqlens) - 1`` in varlen mode (then ``B == 1``).
 
 Every function upcasts its inputs to ``compute_dtype`` (float64 by default), works on any device and returns
-results in ``compute_dtype``. These functions are slow by design (Python loops over tokens, chunks or segments);
-they are specifications for the GPU kernels, not implementations of them.
+results in ``compute_dtype``. Slow by design (Python loops): specifications for the GPU kernels.
 """
 
 from __future__ import annotations
@@ -31,9 +30,7 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Input validation
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------ Input validation
 
 
 @dataclass
@@ -56,8 +53,7 @@ class _Problem:
     initial_state: Optional[torch.Tensor]  # [N, H, K, V] in compute dtype
     # One entry per sequence n: (batch row, first token, end token).
     seqs: List[Tuple[int, int, int]]
-    # Groups of sequences processed together (vectorized over the batch rows):
-    # (batch rows b0:b1, tokens t0:t1, first state row n0). Non-varlen: one group; varlen: one per sequence.
+    # Groups vectorized over batch rows: (rows b0:b1, tokens t0:t1, first state row n0); varlen: one per sequence.
     groups: List[Tuple[int, int, int, int, int]]
 
 
@@ -182,9 +178,7 @@ def _num_chunks(length: int, chunk_size: int) -> int:
     return -(-length // chunk_size)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# 1. Recurrent form (the definition)
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------ 1. Recurrent form (the definition)
 
 
 def _decay_state(S: torch.Tensor, g_t: torch.Tensor, kda: bool) -> torch.Tensor:
@@ -246,9 +240,7 @@ def recurrent_gated_delta_rule(
     return o, (final if output_final_state else None)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# 2. Chunked form
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------ 2. Chunked form
 
 
 @dataclass
@@ -267,11 +259,8 @@ def _chunk_terms(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.
 
     k: [n, H, L, K], v: [n, H, L, V], g: [n, H, L] or [n, H, L, K], beta: [n, H, L].
 
-    G is the inclusive cumulative sum of g inside the chunk, computed directly from the chunk start. The reference
-    forms every pairwise factor exp(G_r - G_i) from the *difference* (masked to i <= r before the exp), so nothing
-    here overflows in float64. GPU kernels that factor it as exp(G_r) * exp(-G_i) to use tensor cores cannot do
-    that: exp(-G) overflows fp32 once the cumulated decay passes about -87, so they must anchor sub-blocks at a
-    reference row (or bound the per-step decay) as the design doc describes.
+    G is the inclusive cumulative sum of g inside the chunk, from the chunk start. Every pairwise factor
+    exp(G_r - G_i) is formed from the difference (masked to i <= r before the exp), so nothing here overflows.
     """
     L = k.shape[2]
     G = g.cumsum(dim=2)
@@ -308,10 +297,8 @@ def _decay_by_last(S: torch.Tensor, decay_last: torch.Tensor, kda: bool) -> torc
 
 def _chunk_forward_group(q, k, v, g, beta, scale, S, chunk_size, kda):
     """Chunked forward for a group of equal-length rows, chunked from token 0 (last chunk partial).
-
     q, k: [n, L, H, K]; v: [n, L, H, V]; g: [n, L, H(, K)]; beta: [n, L, H]; S: [n, H, K, V].
-    Returns o [n, L, H, V] and the state after the last token.
-    """
+    Returns o [n, L, H, V] and the state after the last token."""
     L = k.shape[1]
     o = v.new_empty(v.shape)
     for c0 in range(0, L, chunk_size):
@@ -373,16 +360,12 @@ def chunk_gated_delta_rule_ref(
     return o, (final if output_final_state else None)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# 3. Per-chunk affine maps
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------ 3. Per-chunk affine maps
 
 
 def _chunk_maps_group(k, v, g, beta, chunk_size, kda):
     """Affine maps of all chunks of a group of equal-length rows.
-
-    k: [n, L, H, K] ... Returns M [n, C, H, K, K], h [n, C, H, K, V] with C = ceil(L / chunk_size).
-    """
+    k: [n, L, H, K] ... Returns M [n, C, H, K, K], h [n, C, H, K, V] with C = ceil(L / chunk_size)."""
     n, L, H, K = k.shape
     V = v.shape[-1]
     C = _num_chunks(L, chunk_size)
@@ -439,9 +422,7 @@ def chunk_summaries(
     return M, h, offsets.to(p.k.device)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# 4. Merge of affine segment summaries
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------ 4. Merge of affine segment summaries
 
 
 def _parse_offsets(name: str, offsets, total: int, total_label: str | None = None) -> List[int]:
@@ -518,16 +499,12 @@ def affine_merge(
     return start, final
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# 5-7. Segments
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------ 5-7. Segments
 
 
 def split_chunks(num_chunks: int, num_segments: int) -> List[int]:
     """Bounds ``[0, c1, ..., num_chunks]`` of near-equal (sizes differ by at most 1), contiguous, non-empty groups.
-
-    Uses ``min(num_chunks, num_segments)`` groups; ``num_chunks == 0`` gives ``[0]`` (no segments).
-    """
+    Uses ``min(num_chunks, num_segments)`` groups; ``num_chunks == 0`` gives ``[0]`` (no segments)."""
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 0:
         raise ValueError(f"num_chunks must be a non-negative int, got {num_chunks!r}")
     if isinstance(num_segments, bool) or not isinstance(num_segments, int) or num_segments < 1:

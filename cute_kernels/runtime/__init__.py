@@ -1,3 +1,5 @@
-from .arch import SUPPORTED_ARCHS, UnsupportedDeviceError, device_arch, import_cutlass, target_arch
+from .arch import (SUPPORTED_ARCHS, UnsupportedDeviceError, device_arch, device_kind, import_cutlass, sm_count,
+                   target_arch)
 
-__all__ = ["SUPPORTED_ARCHS", "UnsupportedDeviceError", "device_arch", "import_cutlass", "target_arch"]
+__all__ = ["SUPPORTED_ARCHS", "UnsupportedDeviceError", "device_arch", "device_kind", "import_cutlass", "sm_count",
+           "target_arch"]

@@ -1,13 +1,10 @@
-"""Compiled kernels kept on disk, so a process can skip the JIT compile (seconds per kernel) of a kernel that an
-earlier process, or another machine of the same arch, has already built.
+"""Compiled kernels kept on disk, so a process can skip the JIT compile of a kernel an earlier process, or another
+machine of the same arch, has already built.
 
 Off unless `CUTE_KERNELS_AOT_DIR` names a directory. Then `compile_kernel` first looks there for an object file
 named by a hash of (the compile key with its arch, the CuTe DSL version, every source file of `cute_kernels` and
-`schedulers`) -- a changed kernel or switch can never load a stale build -- and loads it (`cutlass.runtime.
-load_module`, TVM-FFI: the same `__tvm_ffi_` entry point the JIT path calls). On a miss it compiles as usual, and
-with `CUTE_KERNELS_AOT_WRITE=1` exports the result there (`export_to_c`). Any failure to load falls back to
-compiling. The GPU machine needs nothing but the files: `python -m cute_kernels compile --arch sm_90a` with both
-variables set fills a directory on a CPU machine for every variant.
+`schedulers`: never a stale build) and loads it; on a miss it compiles, and with `CUTE_KERNELS_AOT_WRITE=1` exports
+the result there. Any failure to load falls back to compiling.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Which GPU architecture we compile for, and importing CuTe DSL with it set.
-
-CuTe DSL reads `CUTE_DSL_ARCH` when `cutlass` is first imported. On a GPU machine we set it from the
-device's compute capability; on a CPU-only machine the caller sets it (`sm_90a` or `sm_100a`) to compile
-without running. Nothing here launches work on a GPU.
+"""Which GPU architecture we compile for, and importing CuTe DSL with it set: CuTe DSL reads `CUTE_DSL_ARCH` when
+`cutlass` is first imported. On a GPU machine we set it from the device's compute capability; on a CPU-only machine
+the caller sets it (`sm_90a` or `sm_100a`). Nothing here launches work on a GPU.
 """
 
 from __future__ import annotations
@@ -73,3 +71,29 @@ def import_cutlass():
     import cutlass
 
     return cutlass
+
+
+_sm_counts: dict = {}
+_kinds: dict = {}
+
+
+def sm_count(device) -> int:
+    """The device's SM count (queried once per device)."""
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_counts:
+        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_counts[idx]
+
+
+def device_kind(device) -> str:
+    """The device's entry in the planner's calibration table: "H100", "H200" or "SM100" (queried once)."""
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _kinds:
+        name = torch.cuda.get_device_name(idx)
+        _kinds[idx] = ("H200" if "H200" in name else "H100" if "H100" in name
+                       else "SM100" if device_arch(device) == "sm_100a" else "H200")
+    return _kinds[idx]

@@ -1,9 +1,7 @@
 """Compile once per (kernel, config, static shapes, arch), cache, call with torch tensors (TVM-FFI).
 
-Kernels are compiled against fake tensors, so compiling needs no GPU: dynamic sizes become runtime
-arguments of the compiled function, static ones are baked in. The compiled function takes torch tensors
-directly and launches on torch's current stream, so the host cost per call stays in microseconds.
-
+Kernels are compiled against fake tensors (no GPU needed): dynamic sizes become runtime arguments, static ones are
+baked in. The compiled function takes torch tensors and launches on torch's current stream.
 `CUTE_KERNELS_DUMP_DIR`, when set, keeps each compiled variant's PTX and cubin there. `CUTE_KERNELS_AOT_DIR`
 (`runtime/aot.py`) keeps compiled kernels on disk between processes and machines of the same arch.
 """

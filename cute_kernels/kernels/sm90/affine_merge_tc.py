@@ -1,11 +1,7 @@
 """SM90 affine merge with the chain on tensor cores (`AffineMerge`'s contract, K = 128, V a multiple of 64).
 
-The SIMT variants in `kernels/merge.py` spend ~3.9 us per segment on the serial chain (H200). Here each link
-S <- M S + h_ext runs as RS wgmma on one warpgroup, transposed: S^T [64 V columns x 128] stays in fp32
-accumulator registers and is the A operand (16-bit, from registers); M^T is the B operand from shared memory.
-bf16 keeps 8 mantissa bits, so both factors are split, x = x_hi + x_lo (x_hi = bf16(x), x_lo = bf16(x - x_hi)),
-and the link is S^T_hi M^T_hi + S^T_hi M^T_lo + S^T_lo M^T_hi (the dropped lo x lo term is ~2^-16 relative):
-24 m64n128k16 products per link, accumulated onto h_ext^T in fp32.
+Each link S <- M S + h_ext is an RS wgmma, transposed (S^T in fp32 accumulators, M^T from smem), with both factors
+split into bf16 hi + lo: S^T_hi M^T_hi + S^T_hi M^T_lo + S^T_lo M^T_hi, accumulated onto h_ext^T in fp32.
 """
 
 from __future__ import annotations
@@ -13,10 +9,10 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32
+from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 
-from ..merge import publish_start
+from ..configs import MergeConfig
 from . import wgmma_tiles as wt
 
 K_DIM = 128
@@ -36,26 +32,23 @@ class AffineMergeTcSm90:
       operand layout) and h_ext[s][:, block] (fp32 [128 x 64]) -> one stage of a 2-stage smem ring.
     - warpgroup 0: consumer. Holds S^T in accumulator registers; per slot: new = h^T (from smem) +
       S^T_hi M^T_hi + S^T_hi M^T_lo + S^T_lo M^T_hi (RS wgmma, one commit), the start state stored meanwhile.
-    Pipeline: `PipelineAsync` (producer 128 threads, consumer 128 threads), 2 stages of 96 KB.
-    `publish` (not `starts_only`): as `AffineMerge`'s -- flags[slot] holds slot's readers, flags[slots + slot * H +
-    head] its count; once the consumer has stored start[slot] (while the link's products run) its warpgroup meets
-    at a named barrier and thread 0 publishes (gpu-scope fence, release add of 1), so the count reaches V / 64.
+    Pipeline: `PipelineAsync` (producer 128 threads, consumer 128 threads), 2 stages.
+    `pdl` (config): launched early after the summary launch, griddepcontrol.wait before any read.
     """
 
-    def __init__(self, io_dtype, has_initial_state: bool, starts_only: bool = False, pdl: bool = False,
-                 publish: bool = False):
-        if publish and starts_only:
-            raise ValueError("publish is built without starts_only")
-        self.publish = publish
+    def __init__(self, config: MergeConfig, io_dtype):
+        if config.impl != "tc":
+            raise ValueError(f"AffineMergeTcSm90 is the 'tc' merge, got impl {config.impl!r}")
+        self.config = config
         self.io_dtype = io_dtype
-        self.pdl = pdl   # launched early after the summary launch: griddepcontrol.wait before any read
-        self.has_initial_state = has_initial_state
-        self.starts_only = starts_only
+        self.pdl = config.pdl
+        self.has_initial_state = config.initial_state
+        self.starts_only = config.starts_only
         self.num_threads = 256
 
     @cute.jit
     def __call__(self, m: cute.Tensor, h_ext: cute.Tensor, seg_offsets: cute.Tensor, initial_state: cute.Tensor,
-                 start_states: cute.Tensor, final_state: cute.Tensor, flags: cute.Tensor, stream):
+                 start_states: cute.Tensor, final_state: cute.Tensor, stream):
         io = self.io_dtype
 
         @cute.struct
@@ -68,14 +61,14 @@ class AffineMergeTcSm90:
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= 232448, f"shared storage {self.smem_bytes} B exceeds the 227 KB of an SM90 CTA"
-        self.kernel(m, h_ext, seg_offsets, initial_state, start_states, final_state, flags).launch(
+        self.kernel(m, h_ext, seg_offsets, initial_state, start_states, final_state).launch(
             grid=[final_state.shape[3] // V_BLOCK, final_state.shape[1], final_state.shape[0]],
             block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl,
         )
 
     @cute.kernel
     def kernel(self, m: cute.Tensor, h_ext: cute.Tensor, seg_offsets: cute.Tensor, initial_state: cute.Tensor,
-               start_states: cute.Tensor, final_state: cute.Tensor, flags: cute.Tensor):
+               start_states: cute.Tensor, final_state: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
@@ -105,7 +98,7 @@ class AffineMergeTcSm90:
             self.producer(ring, m, h_ext, sMhi, sMlo, sH, head, v0, first, end, tidx - 128)
         else:
             self.consumer(ring, sMhi, sMlo, sH, initial_state, start_states, final_state, seq, head, v0, first,
-                          last, end, tidx, flags)
+                          last, end, tidx)
 
     @cute.jit
     def producer(self, ring, m, h_ext, sMhi, sMlo, sH, head, v0, first, end, ptid):
@@ -130,8 +123,8 @@ class AffineMergeTcSm90:
         ring.producer_tail(state)
 
     @cute.jit
-    def consumer(self, ring, sMhi, sMlo, sH, initial_state, start_states, final_state, seq, head, v0, first,
-                 last, end, wtid, flags):
+    def consumer(self, ring, sMhi, sMlo, sH, initial_state, start_states, final_state, seq, head, v0, first, last,
+                 end, wtid):
         io = self.io_dtype
         thr = wt.make_mma_rs(io, False, K_DIM).get_slice(wtid)
         cc = thr.partition_C(cute.make_identity_tensor((V_BLOCK, K_DIM)))     # (v, k) of S^T
@@ -145,9 +138,6 @@ class AffineMergeTcSm90:
                 acc[i] = Float32(0.0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, NUM_STAGES)
         for slot in cutlass.range(first, end, unroll=1):
-            readers = Int32(0)
-            if cutlass.const_expr(self.publish):
-                readers = flags[slot]
             ring.consumer_wait(state)
             stage = state.index
             for i in cutlass.range_constexpr(cute.size(nxt)):
@@ -171,10 +161,6 @@ class AffineMergeTcSm90:
             for i in cutlass.range_constexpr(cute.size(acc)):   # this slot's start, while the products run
                 vv, kk = cc[i]
                 start_states[slot, head, kk, v0 + vv] = acc[i]
-            if cutlass.const_expr(self.publish):   # under the products: every consumer thread's stores, then thread 0
-                cute.arch.barrier(barrier_id=1, number_of_threads=128)
-                if wtid == 0 and readers > 0:
-                    publish_start(flags, slot, head, start_states.shape[0], start_states.shape[1])
             warpgroup.wait_group(0)
             ring.consumer_release(state)
             state.advance()

@@ -1,8 +1,6 @@
-"""Small SM90 building blocks shared by the chunked linear-attention kernels: swizzled 16-bit smem tiles,
-one-warpgroup wgmma products on them, and the accumulator -> smem -> global epilogue.
-
-Every product here is issued by one warpgroup (128 threads, `wtid` = thread index inside it) with 64 x n x 16
-wgmma atoms, bf16/fp16 operands in shared memory and an fp32 register accumulator.
+"""Small SM90 building blocks of the chunked linear-attention kernels: swizzled 16-bit smem tiles, wgmma products on
+them, the accumulator -> smem -> global epilogue, and the [B, T, ...] tensor views. Every product is issued by one
+warpgroup (128 threads, `wtid` its thread index) with 64 x n x 16 atoms, 16-bit operands and an fp32 accumulator.
 """
 
 from __future__ import annotations
@@ -14,13 +12,27 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import warp, warpgroup
 
 
-def smem_layout(rows: int, cols: int, dtype, stages: int = 1, mn_view: bool = False):
-    """Swizzled smem layout of `stages` row-major [rows, cols] 16-bit tiles, indexed (row, col, stage).
+def flat(t):
+    """[B, T, ...] -> [B * T, ...]: the ops pass contiguous tensors, so B's stride is T times T's (flattening in the
+    kernel keeps tensor views off the host's per-call path)."""
+    return cute.make_tensor(
+        t.iterator,
+        cute.make_layout((t.shape[0] * t.shape[1],) + tuple(t.shape[2:]), stride=(t.stride[1],) + tuple(t.stride[2:])),
+    )
 
-    As built it is a K-major wgmma A (M=rows, K=cols). With `mn_view` the same bytes are indexed
-    (col, row, stage): an MN-major A (M=cols, K=rows) or MN-major B (N=cols, K=rows). For 128-byte swizzled
-    16-bit tiles both views map every element to the same address (tests/test_gdn_sm90.py checks it).
-    """
+
+def thd(t):
+    """A [tokens, H, D] tensor as (tokens, D, H), the per-head 2-D tiles TMA loads."""
+    return cute.make_tensor(
+        t.iterator,
+        cute.make_layout((t.shape[0], t.shape[2], t.shape[1]), stride=(t.stride[0], t.stride[2], t.stride[1])),
+    )
+
+
+def smem_layout(rows: int, cols: int, dtype, stages: int = 1, mn_view: bool = False):
+    """Swizzled smem layout of `stages` row-major [rows, cols] 16-bit tiles, indexed (row, col, stage): a K-major
+    wgmma A (M=rows, K=cols). With `mn_view` the same bytes indexed (col, row, stage): an MN-major A (M=cols, K=rows)
+    or MN-major B (N=cols, K=rows); both views map every element to the same address (tests/test_gdn_sm90.py)."""
     from cutlass.tensor_utils import LayoutEnum
 
     if mn_view:
@@ -50,12 +62,9 @@ def make_mma(io_dtype, a_mn_major: bool, b_mn_major: bool, n: int = 64):
 @cute.jit
 def gemm(io_dtype, wtid, acc, sA, sB, a_mn_major: bool, b_mn_major: bool, accumulate: bool, n: int = 64,
          wait: bool = True):
-    """acc (+)= A B on one warpgroup (A: (M, K), B: (N, K) smem views); waits for it unless `wait=False`
-    (then the caller's `warpgroup.wait_group(0)` does).
-
-    The tiled MMA is built here, not shared: its accumulate flag is IR state that must be defined in the
-    control-flow region that uses it.
-    """
+    """acc (+)= A B on one warpgroup (A: (M, K), B: (N, K) smem views); waits for it unless `wait=False` (then the
+    caller's `warpgroup.wait_group(0)` does). The tiled MMA is built here, not shared: its accumulate flag is IR
+    state that must be defined in the control-flow region that uses it."""
     tiled_mma = make_mma(io_dtype, a_mn_major, b_mn_major, n)
     thr = tiled_mma.get_slice(wtid)
     tCrA = tiled_mma.make_fragment_A(thr.partition_A(sA))
@@ -112,16 +121,6 @@ def acc_to_a(io_dtype, acc):
     values, converted, viewed as ((2, 2, 2), 1, N / 16), i.e. k-block kb = column groups 2 kb and 2 kb + 1."""
     frag = cute.make_rmem_tensor_like(acc, io_dtype)
     frag.store(acc.load().to(io_dtype))
-    return _as_a(frag)
-
-
-@cute.jit
-def acc_to_a_lo(io_dtype, acc):
-    """`acc_to_a` of the rounding residue acc - float(16-bit(acc)), elementwise, without an fp32 copy: with
-    `acc_to_a(acc)` the two halves of a split product (x = hi + lo to ~2^-16 relative)."""
-    frag = cute.make_rmem_tensor_like(acc, io_dtype)
-    for i in cutlass.range_constexpr(cute.size(acc)):
-        frag[i] = io_dtype(acc[i] - Float32(io_dtype(acc[i])))
     return _as_a(frag)
 
 

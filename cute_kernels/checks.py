@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.arch import device_arch
+from .runtime.arch import device_arch
 
 
 def check_tensor(name: str, t, *, dtypes=None, ndim=None, min_ndim=None, contiguous=True, align=16):
@@ -50,12 +50,9 @@ _offsets_cache: dict = {}
 
 
 def offsets_tensor(name: str, offsets, slots: int, device) -> tuple[torch.Tensor, int]:
-    """`offsets` (list, tuple or 1-D int tensor [N+1]) as an int32 tensor on `device`, and N.
-
-    A list/tuple or CPU tensor is checked fully (starts at 0, non-decreasing, ends at `slots`) and copied to
-    the device once per distinct value (cached: a copy per call would stall the stream); a CUDA tensor is
-    taken as is (checking its values would cost a device sync), only its dtype and rank.
-    """
+    """`offsets` (list, tuple or 1-D int tensor [N+1]) as an int32 tensor on `device`, and N. A list/tuple or CPU
+    tensor is checked fully (starts at 0, non-decreasing, ends at `slots`) and copied once per distinct value
+    (cached: a copy per call would stall the stream); a CUDA tensor only by dtype and rank (no device sync)."""
     if isinstance(offsets, (list, tuple)) or (isinstance(offsets, torch.Tensor) and not offsets.is_cuda):
         vals = tuple(int(x) for x in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets))
         key = (vals, slots, str(device))

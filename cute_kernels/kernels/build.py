@@ -1,0 +1,175 @@
+"""Compile a kernel for its config (no GPU needed): fake tensors in, a cached TVM-FFI function out. One function per
+kernel role, compiled once per (config, dtypes, arch), picking the arch's kernel class (sm90/ for sm_90a; the SIMT
+merges serve every arch). CuTe DSL is imported only by the build functions, on first use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime.arch import import_cutlass, target_arch
+from ..runtime.compile import DYN, Compiled, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
+from .configs import FusedConfig, MergeConfig, PrepConfig, StateConfig
+
+SM90_ONLY = ("sm_90a",)
+
+
+def _sm90(what: str) -> None:
+    arch = target_arch()
+    if arch not in SM90_ONLY:
+        raise NotImplementedError(f"{what} has an SM90 (wgmma) build only; the target arch is {arch}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def build_fused(config: FusedConfig, io_dtype: torch.dtype, beta_dtype: torch.dtype, dump_dir=None) -> Compiled:
+    """The fused forward. Its function takes (q, k, v, g fp32, beta, o, initial_state, final_state, tiles,
+    num_tiles, grid, scale): 4-D / 3-D [B, T, ...] tensors as the op has them, states [N, H, 128, 128] fp32."""
+
+    def build():
+        _sm90("the fused forward")
+        cutlass = import_cutlass()
+        from .sm90.fused import ChunkedForwardSm90
+        from schedulers.problem import NUM_TILE_FIELDS
+
+        io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
+        wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
+        args = (
+            wide(), wide(), wide(),
+            fake_tensor(f32, (DYN, DYN, DYN, 128) if config.kda else (DYN, DYN, DYN), align=4),
+            fake_tensor(bt, (DYN, DYN, DYN), align=2),
+            wide(),
+            fake_tensor(f32, (DYN, DYN, 128, 128)),
+            fake_tensor(f32, (DYN, DYN, 128, 128)),
+            fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            f32(1.0),
+            fake_stream(),
+        )
+        return ChunkedForwardSm90(config, io, bt), args
+
+    return compile_kernel(("fused", config, _name(io_dtype), _name(beta_dtype)), build, dump_dir=dump_dir)
+
+
+def build_prep(config: PrepConfig, io_dtype: torch.dtype, beta_dtype: torch.dtype, dump_dir=None) -> Compiled:
+    """Phase 1. Its function takes (q, k, v, g fp32, beta, query, key, value, update_key, intra, decay, tiles,
+    num_tiles, grid, scale, flags, chunks_per_seq, consumers): the outputs in `ChunkTerms`' slots (those the
+    build does not write may be any tensor of their shape: the call's q, k, v)."""
+
+    def build():
+        _sm90("phase 1")
+        cutlass = import_cutlass()
+        from .sm90.chunk_prep import ChunkPrepSm90
+        from schedulers.problem import NUM_TILE_FIELDS
+
+        io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
+        wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
+        # KDA's g: 16-byte aligned (the ops check it; the row-anchored factors prefetch it in 16-byte vectors)
+        gate = lambda: fake_tensor(f32, (DYN, DYN, DYN, 128) if config.kda else (DYN, DYN, DYN),   # noqa: E731
+                                   align=16 if config.kda else 4)
+        token_factors = not config.kda and config.terms == "folded"
+        args = (
+            wide(), wide(), wide(), gate(), fake_tensor(bt, (DYN, DYN, DYN), align=2),   # q, k, v, g, beta
+            wide(), wide(), wide(), wide(),                                              # query .. update_key
+            fake_tensor(io, (DYN, DYN, DYN, 64)),                                        # intra
+            fake_tensor(f32, (DYN, DYN, DYN, 4), align=16) if token_factors else gate(),   # decay
+            fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            f32(1.0),
+            fake_tensor(cutlass.Int32, (DYN,), align=4),   # flags (publish)
+            cutlass.Int32(1),                              # chunks per sequence
+            cutlass.Int32(1),                              # consumers per flag
+            fake_stream(),
+        )
+        return ChunkPrepSm90(config, io, bt), args
+
+    return compile_kernel(("prep", config, _name(io_dtype), _name(beta_dtype)), build, dump_dir=dump_dir)
+
+
+def build_state_pass(config: StateConfig, io_dtype: torch.dtype, dump_dir=None) -> Compiled:
+    """Phase 2. Its function takes (query, key, value, update_key, intra, decay, o, initial_state, final_state,
+    tiles, num_tiles, grid, flags, chunks_per_seq)."""
+
+    def build():
+        _sm90("the state pass")
+        cutlass = import_cutlass()
+        from .sm90.state_pass import ChunkStatePassSm90
+        from schedulers.problem import NUM_TILE_FIELDS
+
+        io, f32 = cutlass_dtype(io_dtype), cutlass.Float32
+        wide = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
+        decay = (fake_tensor(f32, (DYN, DYN, DYN, 4), align=16) if config.token_factors
+                 else fake_tensor(f32, (DYN, DYN, DYN, 128) if config.kda else (DYN, DYN, DYN)))
+        args = (
+            wide(), wide(), wide(), wide(),                      # query, key, value, update_key
+            fake_tensor(io, (DYN, DYN, DYN, 64)),                # intra
+            decay,
+            wide(),                                              # o
+            fake_tensor(f32, (DYN, DYN, 128, 128)),
+            fake_tensor(f32, (DYN, DYN, 128, 128)),
+            fake_tensor(cutlass.Int32, (DYN, NUM_TILE_FIELDS), align=4),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            fake_tensor(cutlass.Int32, (DYN,), align=4),   # flags (consume)
+            cutlass.Int32(1),                              # chunks per sequence
+            fake_stream(),
+        )
+        return ChunkStatePassSm90(config, io), args
+
+    return compile_kernel(("state_pass", config, _name(io_dtype)), build, dump_dir=dump_dir)
+
+
+def build_affine_merge(config: MergeConfig, dump_dir=None) -> Compiled:
+    """The affine merge. Its function takes (M, h_ext, seg_offsets, initial_state, start_states, final_state),
+    fp32 [.., H, K, K] / [.., H, K, V], seg_offsets int32 [N + 1]; the grid comes from final_state's [N, H]."""
+    if config.impl == "tc":
+        _sm90("the 'tc' affine merge")
+
+    def build():
+        cutlass = import_cutlass()
+        f32, i32 = cutlass.Float32, cutlass.Int32
+        k, v = config.k_dim, config.v_dim
+        args = (
+            fake_tensor(f32, (DYN, DYN, k, k)),
+            fake_tensor(f32, (DYN, DYN, k, v)),
+            fake_tensor(i32, (DYN,), align=4),
+            fake_tensor(f32, (DYN, DYN, k, v)),
+            fake_tensor(f32, (DYN, DYN, k, v)),
+            fake_tensor(f32, (DYN, DYN, k, v)),
+            fake_stream(),
+        )
+        if config.impl == "tc":
+            from .sm90.affine_merge_tc import AffineMergeTcSm90
+
+            return AffineMergeTcSm90(config, cutlass.BFloat16), args
+        from .merge import AffineMerge
+
+        return AffineMerge(config), args
+
+    return compile_kernel(("affine_merge", config), build, dump_dir=dump_dir)
+
+
+def build_lse_merge(head_dim: int, out_dtype: torch.dtype, dump_dir=None) -> Compiled:
+    """The log-sum-exp merge of split-KV partials: (o_partial, lse_partial, seg_offsets, o, lse)."""
+
+    def build():
+        cutlass = import_cutlass()
+        from .merge import LseMerge
+
+        f32, i32 = cutlass.Float32, cutlass.Int32
+        out = cutlass_dtype(out_dtype)
+        args = (
+            fake_tensor(f32, (DYN, DYN, head_dim)),
+            fake_tensor(f32, (DYN, DYN), align=4),
+            fake_tensor(i32, (DYN,), align=4),
+            fake_tensor(out, (DYN, DYN, head_dim), align=8 if out_dtype != torch.float32 else 16),
+            fake_tensor(f32, (DYN, DYN), align=4),
+            fake_stream(),
+        )
+        return LseMerge(head_dim, out), args
+
+    return compile_kernel(("lse_merge", head_dim, _name(out_dtype)), build, dump_dir=dump_dir)

@@ -1,0 +1,126 @@
+"""Compile-time options of every kernel, as frozen configs: the planner picks them, the kernel classes take them in
+`__init__`, the compile cache keys on them. Plain Python (no CuTe DSL import). Only the combinations each config's
+`check` lists are built (and tested); anything else raises, naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("forward", "summary", "segment_outputs")
+MERGE_IMPLS = ("staged", "prefetch", "regs", "tc")
+# affine merge: impl -> (threads per CTA, V columns per CTA)
+MERGE_SHAPES = {"staged": (256, 32), "prefetch": (256, 8), "regs": (256, 8), "tc": (256, 64)}
+
+
+def _mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """The fused forward (`ChunkedForwardSm90`): one CTA per (sequence, head[, segment]) walks its chunks.
+    mode: `forward` (start from the initial state or 0, write o and, at a sequence's last segment, the final
+    state), `summary` (the segment's affine map from 0 / I, no o), `segment_outputs` (start from the merged start
+    state of the segment's slot, write o). persistent: CTAs loop over the tile table (PersistentScheduler)."""
+
+    kda: bool = False
+    mode: str = "forward"
+    initial_state: bool = False
+    final_state: bool = False
+    persistent: bool = False
+
+    def __post_init__(self):
+        _mode(self.mode)
+
+
+@dataclass(frozen=True)
+class PrepConfig:
+    """Phase 1 of the two-phase forward (`ChunkPrepSm90`): every chunk's local terms, in parallel.
+    terms: `folded` -- T = (I + Akk)^-1 diag(beta) folded into the products that read v_new: W2 = T^T kg and
+    A1 = Aqk T (no v load; GDN writes no gated q / k either, the state pass scales q, k by per-token factors);
+    `solved` -- w = T exp(G) k, u = T v, Aqk and the gated q, k (GDN's overlapped path).
+    ctas_per_sm: GDN's folded build runs 2 or 3 CTAs per SM (3: Akk over the dead q tile, for grids past one
+    wave of 2); every other build 1. publish: the overlapped path's build (persistent grid, a flag per chunk).
+    pdl: programmatic dependent launch: the state pass's prologue overlaps this grid's tail."""
+
+    kda: bool = False
+    terms: str = "folded"
+    ctas_per_sm: int = 2
+    publish: bool = False
+    pdl: bool = True
+
+    def __post_init__(self):
+        if self.terms not in ("folded", "solved"):
+            raise ValueError(f"terms must be 'folded' or 'solved', got {self.terms!r}")
+        built = ((self.kda and self.terms == "folded" and self.ctas_per_sm == 1)
+                 or (not self.kda and self.terms == "folded" and self.ctas_per_sm in (2, 3) and not self.publish)
+                 or (not self.kda and self.terms == "solved" and self.ctas_per_sm == 1 and self.publish))
+        if not built:
+            raise ValueError(f"no phase-1 build for {self}: KDA is folded at ctas_per_sm=1; GDN folded at 2 or 3 "
+                             f"(not publish), GDN solved at 1 with publish")
+
+    @property
+    def tma_store(self) -> bool:
+        """KDA's full chunks leave by TMA stores (the overlapped build publishes after thread stores instead)."""
+        return self.kda and not self.publish
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    """Phase 2 (`ChunkStatePassSm90`): only the state recurrence, one CTA per (sequence, head, 64 V columns, segment),
+    the chain in registers. token_factors: GDN's folded terms -- q, k, v, W2, A1 and per-token factors (scale 2^G,
+    2^(G_L - G), 2^G_L, 2^G) -- instead of the solved terms (qg, w, u, kg, Aqk, exp(G_L)); KDA always reads the
+    solved slots (its folded terms fill them: exp(G) k, v, W2, A1). consume: the overlapped path's build (waits on
+    phase 1's per-chunk flags). pdl: waits for the previous kernel inside, after its prologue."""
+
+    kda: bool = False
+    mode: str = "forward"
+    initial_state: bool = False
+    final_state: bool = False
+    token_factors: bool = False
+    consume: bool = False
+    pdl: bool = True
+
+    def __post_init__(self):
+        _mode(self.mode)
+        if self.token_factors and self.kda:
+            raise ValueError("token_factors is GDN's folded build (KDA's folded terms fill the solved slots)")
+        if self.consume and (self.mode != "forward" or self.token_factors):
+            raise ValueError("consume (the overlapped path) is the forward mode of the solved terms")
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """The affine merge (`AffineMerge` / `AffineMergeTcSm90`): each segment's start state and the final state.
+    impl: `staged` (M through shared memory, 32 columns per CTA), `prefetch` (as staged, next M in registers,
+    8 columns), `regs` (K = 128: M's blocks in registers, warp-shuffle sums), `tc` (SM90, K = 128: the chain on
+    tensor cores, bf16 hi / lo splits). starts_only: each sequence's last summary is never read and no final
+    state is written. pdl: launched early after the summary launch, waits inside."""
+
+    impl: str
+    k_dim: int = 128
+    v_dim: int = 128
+    initial_state: bool = False
+    starts_only: bool = False
+    pdl: bool = False
+
+    def __post_init__(self):
+        if self.impl not in MERGE_IMPLS:
+            raise ValueError(f"impl must be one of {MERGE_IMPLS}, got {self.impl!r}")
+        if not merge_fits(self.impl, self.k_dim, self.v_dim):
+            threads, block_v = MERGE_SHAPES[self.impl]
+            raise ValueError(f"affine merge {self.impl!r} does not handle K={self.k_dim}, V={self.v_dim} (needs "
+                             + ("K = 128, " if self.impl in ("regs", "tc") else f"K % 4 == 0, K * K / 4 a multiple "
+                                f"of {threads}, ") + f"V a multiple of {block_v})")
+
+
+def merge_fits(impl: str, k_dim: int, v_dim: int) -> bool:
+    """Whether affine-merge `impl` handles K = k_dim, V = v_dim (whole 16-byte M pieces per thread, whole V
+    tiles; regs and tc are built for K = 128)."""
+    threads, block_v = MERGE_SHAPES[impl]
+    if impl in ("tc", "regs"):
+        return k_dim == 128 and v_dim % block_v == 0
+    return (k_dim % 4 == 0 and v_dim % block_v == 0 and (k_dim * block_v) % threads == 0
+            and threads % block_v == 0 and (k_dim * k_dim // 4) % threads == 0)

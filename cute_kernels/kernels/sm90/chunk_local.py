@@ -1,0 +1,755 @@
+"""The chunk-local math of the chunked forward on SM90, held by the fused kernel (`ChunkedForwardSm90`) and phase 1
+(`ChunkPrepSm90`): gates, intra-chunk products, the solve X = (I + Akk)^-1, and the q / k / v load warp.
+
+Per chunk (rows r, i < L = tokens in the chunk; G = cumulative decay inside the chunk, log2 units):
+  0. Gates: GDN: G, 2^G, 2^(G_L - G), beta. KDA: G[r, d] per channel, beta.
+  1. Akk = beta_r 2^(G_r - G_i) k_r k_i (i < r < L, fp32 smem), Aqk = scale 2^(G_r - G_i) q_r k_i (i <= r, 16-bit);
+     KDA then gates q, k in place and forms kb = k 2^G.
+  2. X = (I + Akk)^-1 in fp32, written as Xv = X diag(beta) and (GDN) Xk = X diag(beta 2^G) in 16-bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp
+
+from cute_kernels.reference.kda_intra import ANCHOR_LIMIT_LOG2
+
+from . import wgmma_tiles as wt
+
+C = 64        # chunk length (tokens)
+HALF = 64     # V columns owned by one consumer warpgroup
+# fp32 Akk / X row stride (floats): 16-byte rows (4-float loads), 8 consecutive rows' loads on distinct banks.
+AKK_STRIDE = C + 4
+SOLVE_Y = 1024   # floats of the solve's product buffer (its level 32: a 32 x 32 tile)
+Y_STRIDE = 40    # `solve_levels_mma`'s Y rows (padded: conflict-free fragment loads)
+SOLVE_Y_MMA = 32 * Y_STRIDE
+LOG2E = math.log2(math.e)
+# KDA: largest decay (log2) inside a 16-row block for the anchored products; beyond it the exact diagonal path runs.
+KDA_ANCHOR_LIMIT = ANCHOR_LIMIT_LOG2
+
+
+class ChunkLocalSm90:
+    """A chunk's local work: `io_dtype` (16-bit operands), `kda` (per-channel gates), `outputs` (whether Aqk is
+    formed: the fused summary mode needs none), `solve_mma` (solve levels on tf32 tensor cores, else CUDA cores).
+    Methods run on the 256 consumer threads (`ctid`) or one consumer warpgroup (`wtid`, consumer `j`)."""
+
+    def __init__(self, io_dtype, kda: bool, outputs: bool = True, solve_mma: bool = False):
+        self.io_dtype = io_dtype
+        self.kda = kda
+        self.outputs = outputs
+        self.solve_mma = solve_mma
+
+    # compile-time state only: nothing to carry through the kernels' dynamic loops
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    def qkv_tma(self, q, k, v):
+        """TMA atoms and tensors of the q, k, v chunk tiles [64 x 128] (flattened [tokens, H, 128] inputs)."""
+        tile_layout = wt.first_stage(wt.smem_layout(C, 128, self.io_dtype))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_q_tensor = cpasync.make_tiled_tma_atom(op, wt.thd(q), tile_layout, (C, 128))
+        tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(op, wt.thd(k), tile_layout, (C, 128))
+        tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(op, wt.thd(v), tile_layout, (C, 128))
+        return tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor
+
+    @cute.jit
+    def producer(self, sched, load, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, num_stages: int, load_v: bool = True):
+        """The load warp: per chunk of every work tile, its head's q, k (and v) tiles [64 x 128] by TMA into a
+        `num_stages`-deep ring."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, num_stages)
+        work = sched.initial_work()
+        while work.is_valid:
+            head = work.head
+            tok0 = work.tok_start
+            for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
+                load.producer_acquire(state)
+                bar = load.producer_get_barrier(state)
+                tiles = ((tma_q, mQ, sQ), (tma_k, mK, sK), (tma_v, mV, sV))
+                if cutlass.const_expr(not load_v):
+                    tiles = tiles[:2]
+                for tma, m, s in tiles:
+                    g_head = cute.domain_offset((tok0 + c * C, 0), m[None, None, head])
+                    g_tile = cute.local_tile(g_head, (C, 128), (0, 0))
+                    s_part, g_part = cpasync.tma_partition(
+                        tma, 0, cute.make_layout(1),
+                        cute.group_modes(s, 0, 2), cute.group_modes(g_tile, 0, 2),
+                    )
+                    cute.copy(tma, g_part, s_part[(None, state.index)], tma_bar_ptr=bar)
+                state.advance()
+            work = sched.advance(work)
+        load.producer_tail(state)
+
+    def view(self, field, rows, cols, stages=1, mn_view=False):
+        """(row, col, stage) view of a swizzled 16-bit smem field (see `wgmma_tiles.smem_layout`)."""
+        layout = wt.smem_layout(rows, cols, self.io_dtype, stages, mn_view)
+        return field.get_tensor(layout.outer, swizzle=layout.inner)
+
+    @cute.jit
+    def gdn_intra_issue(self, j, wtid, acc_kk, stage, sQ, sK, with_aqk: bool):
+        """GDN step 1, issued (not waited): consumer 0 kk = k k^T, consumer 1 qk = q k^T (if `with_aqk`)."""
+        if j == 0:
+            self.gemm(wtid, acc_kk, sK[None, None, stage], sK[None, None, stage], False, False, False, wait=False)
+        else:
+            if cutlass.const_expr(with_aqk):  # Aqk only feeds the outputs
+                self.gemm(wtid, acc_kk, sQ[None, None, stage], sK[None, None, stage], False, False, False,
+                          wait=False)
+
+    @cute.jit
+    def gdn_intra_finish(self, j, wtid, acc_kk, cc_kk, L, scale, sG, sBeta, tAkk, sAqk, with_aqk: bool):
+        """GDN step 1 after the wait: consumer 0 Akk = beta_r 2^(G_r - G_i) kk (i < r < L) -> fp32 smem; consumer 1
+        Aqk = scale 2^(G_r - G_i) qk (i <= r) -> 16-bit smem."""
+        # 2^(G_r - G_i) may overflow above the diagonal: computed everywhere, then selected away.
+        if j == 0:
+            for i in cutlass.range_constexpr(cute.size(acc_kk)):
+                r, col = cc_kk[i]
+                val = acc_kk[i] * cute.math.exp2(sG[r] - sG[col], fastmath=True) * sBeta[r]
+                acc_kk[i] = cutlass.select_(col < r and r < L, val, Float32(0.0))
+            for i in cutlass.range_constexpr(cute.size(acc_kk)):   # stores after all loads
+                tAkk[i] = acc_kk[i]
+        else:
+            if cutlass.const_expr(with_aqk):
+                for i in cutlass.range_constexpr(cute.size(acc_kk)):
+                    r, col = cc_kk[i]
+                    val = acc_kk[i] * cute.math.exp2(sG[r] - sG[col], fastmath=True) * scale
+                    acc_kk[i] = cutlass.select_(col <= r, val, Float32(0.0))
+                self.store_acc(wtid, self.make_mma(False, False), acc_kk, sAqk)
+
+    @cute.jit
+    def rows_in(self, n):
+        """min(n, C): the rows of a chunk whose sequence has n tokens left."""
+        if n > C:
+            n = Int32(C)
+        return n
+
+    @cute.jit
+    def gate_rows(self, ctid, t, tok_end, head, mG, mBeta):
+        """The raw gate row of token t + ctid for the 64 threads that hold one (0 past the sequence end):
+        (g, beta) for GDN; KDA's g is 0 here (it goes through `kda_g_prefetch`)."""
+        gv = Float32(0.0)
+        bv = Float32(0.0)
+        if ctid < C:
+            if t + ctid < tok_end:
+                if cutlass.const_expr(not self.kda):
+                    gv = Float32(mG[t + ctid, head])
+                bv = Float32(mBeta[t + ctid, head])
+        return gv, bv
+
+    @cute.jit
+    def gdn_gates(self, ctid, L, gv, bv, sG, sEG, sEGL, sBeta, sScan):
+        """G_r (log2 units), 2^G_r, 2^(G_last - G_r) and beta_r (both 0 past the end; g = 0 there, so G_63 = G_last)."""
+        if ctid < C:
+            lane = ctid % 32
+            x = gv * LOG2E
+            for off in cutlass.range_constexpr(5):
+                y = cute.arch.shuffle_sync_up(x, 1 << off)
+                if lane >= (1 << off):
+                    x = x + y
+            if lane == 31:
+                sScan[ctid // 32] = x
+            cute.arch.barrier(barrier_id=4, number_of_threads=64)
+            s0 = sScan[0]
+            glast = s0 + sScan[1]
+            if ctid >= 32:
+                x = x + s0
+            sG[ctid] = x
+            sEG[ctid] = cute.math.exp2(x, fastmath=True)
+            egl = Float32(0.0)
+            bl = Float32(0.0)
+            if ctid < L:
+                egl = cute.math.exp2(glast - x, fastmath=True)
+                bl = bv
+            sEGL[ctid] = egl
+            sBeta[ctid] = bl
+
+    @cute.jit
+    def kda_g_prefetch(self, ctid, t0, L, head, mG, sGk):
+        """cp.async of the raw g values that thread ctid scans in `kda_gates` (channel ctid % 128, rows
+        32 (ctid // 128) .. + 31 of the chunk at token t0) into sGk; rows >= L get 0. One commit group."""
+        d = ctid % 128
+        h = ctid // 128
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+        for rr in cutlass.range_constexpr(32):
+            r = 32 * h + rr
+            if r < L:
+                cute.copy(atom, cute.local_tile(mG[t0 + r, head, None], (1,), (d,)),
+                          cute.local_tile(sGk[r, None], (1,), (d,)))
+            else:
+                sGk[r, d] = Float32(0.0)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def kda_g_prefetch_vec(self, ctid, t0, L, head, mG, sGk):
+        """`kda_g_prefetch` in 16-byte cp.async (thread ctid: channels 4 (ctid % 32) + [0, 4) of rows ctid // 32 + 8 i);
+        rows >= L get 0. One commit group; `kda_gates(g_vec=True)` waits for it and syncs the consumers."""
+        c4 = ctid % 32
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
+        for i in cutlass.range_constexpr(8):
+            r = ctid // 32 + 8 * i
+            if r < L:
+                cute.copy(atom, cute.local_tile(mG[t0 + r, head, None], (4,), (c4,)),
+                          cute.local_tile(sGk[r, None], (4,), (c4,)))
+            else:
+                for e in cutlass.range_constexpr(4):
+                    sGk[r, 4 * c4 + e] = Float32(0.0)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def kda_gates(self, ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, beta_pre, sC=None, g_vec: bool = False):
+        """G[r, d] (log2 units), G[L-1, d], beta_r; sFlag[0] = 1 if some 16-row block decays by more than
+        KDA_ANCHOR_LIMIT in some channel (then the exact diagonal path runs). With `sC` ([10, 128] fp32, phase 1's
+        row-anchored products): rows 0-5 the factors 2^(G[16 p, d] - G[16 q, d]) of block pairs (p, q) = (1, 0),
+        (2, 1), (3, 2), (2, 0), (3, 1), (3, 0); rows 6-9 2^G[16 m, d], m = 0..3. Needs g and beta prefetched
+        (`kda_g_prefetch`, or `kda_g_prefetch_vec` with `g_vec`: then a consumer barrier follows the wait).
+        All 256 consumer threads: thread ctid scans channel ctid % 128 over rows [32 h, 32 h + 32), h = ctid // 128."""
+        d = ctid % 128
+        h = ctid // 128
+        if ctid == 0:
+            sFlag[0] = Int32(0)
+        if ctid < C:
+            sBeta[ctid] = beta_pre    # prefetched (0 past the end)
+        gl = cute.make_rmem_tensor((32,), Float32)
+        cute.arch.cp_async_wait_group(0)   # this thread's raw g rows are in sGk (0 past the end)
+        if cutlass.const_expr(g_vec):
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)   # and every other thread's
+        for rr in cutlass.range_constexpr(32):
+            gl[rr] = sGk[32 * h + rr, d] * LOG2E
+        for rr in cutlass.range_constexpr(1, 32):
+            gl[rr] = gl[rr] + gl[rr - 1]
+        # the largest right factor of a block is 2^(G[first row] - G[last row]); offsets cancel
+        worst = cutlass.max(gl[0] - gl[15], gl[16] - gl[31])
+        if h == 0:
+            for rr in cutlass.range_constexpr(32):
+                sGk[rr, d] = gl[rr]
+            sGL[d] = gl[31]
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        if h == 1:
+            off = sGL[d]
+            for rr in cutlass.range_constexpr(32):
+                sGk[32 + rr, d] = gl[rr] + off
+            sGL[d] = gl[31] + off
+            if cutlass.const_expr(sC is not None):
+                g0 = sGk[0, d]
+                g16 = sGk[16, d]
+                g32 = gl[0] + off
+                g48 = gl[16] + off
+                sC[0, d] = cute.math.exp2(g16 - g0, fastmath=True)
+                sC[1, d] = cute.math.exp2(g32 - g16, fastmath=True)
+                sC[2, d] = cute.math.exp2(g48 - g32, fastmath=True)
+                sC[3, d] = cute.math.exp2(g32 - g0, fastmath=True)
+                sC[4, d] = cute.math.exp2(g48 - g16, fastmath=True)
+                sC[5, d] = cute.math.exp2(g48 - g0, fastmath=True)
+                sC[6, d] = cute.math.exp2(g0, fastmath=True)
+                sC[7, d] = cute.math.exp2(g16, fastmath=True)
+                sC[8, d] = cute.math.exp2(g32, fastmath=True)
+                sC[9, d] = cute.math.exp2(g48, fastmath=True)
+        if worst > KDA_ANCHOR_LIMIT:
+            sFlag[0] = Int32(1)
+
+    def vec_copy(self):
+        """A 256-thread tiled copy of 16-bit [rows x 128] tiles in 16-byte vectors: thread t moves channels
+        8 (t % 16) .. 8 (t % 16) + 7 of rows t // 16, t // 16 + 16, ... (one row per vector)."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.io_dtype, num_bits_per_copy=128)
+        return cute.make_tiled_copy_tv(atom, cute.make_layout((16, 16), stride=(16, 1)), cute.make_layout((1, 8)))
+
+    @cute.jit
+    def load_g8(self, sGk, r, d0, dst):
+        """dst[0:8] = sGk[r, d0 : d0 + 8] (fp32, one 32-byte run of a row-major [64 x 128] tile)."""
+        cute.autovec_copy(cute.local_tile(sGk[r, None], (8,), (cute.assume(d0, divby=8) // 8,)), dst)
+
+    @cute.jit
+    def kda_gating_vec(self, ctid, L, stage, sQ, sK, sKb, sGk, sGL):
+        """In place per channel, in 16-byte vectors: q <- q 2^G, k <- k 2^(G_L - G) (0 past the end), kb = k 2^G
+        (beta is in X; sKb: the K-major (token, channel) view of the kb buffer)."""
+        io = self.io_dtype
+        tiled = self.vec_copy()
+        thr = tiled.get_slice(ctid)
+        tQ = thr.partition_S(sQ[None, None, stage])
+        tK = thr.partition_S(sK[None, None, stage])
+        tKb = thr.partition_D(sKb)
+        crd = thr.partition_S(cute.make_identity_tensor((C, 128)))
+        for m in cutlass.range(cute.size(tQ, mode=[1]), unroll=1):
+            r, d0 = crd[0, m, 0]
+            gl8 = cute.make_rmem_tensor((8,), Float32)
+            cute.autovec_copy(cute.local_tile(sGL, (8,), (cute.assume(d0, divby=8) // 8,)), gl8)
+            q8 = cute.make_rmem_tensor_like(tQ[None, m, None])
+            k8 = cute.make_rmem_tensor_like(tK[None, m, None])
+            cute.copy(tiled, tQ[None, m, None], q8)
+            cute.copy(tiled, tK[None, m, None], k8)
+            g8 = cute.make_rmem_tensor((8,), Float32)
+            self.load_g8(sGk, r, d0, g8)
+            kb8 = cute.make_rmem_tensor_like(k8)
+            for e in cutlass.range_constexpr(8):
+                eg = cute.math.exp2(g8[e], fastmath=True)
+                egl = cutlass.select_(r < L, cute.math.exp2(gl8[e] - g8[e], fastmath=True), Float32(0.0))
+                kv = Float32(k8[e])
+                kb8[e] = io(kv * eg)
+                k8[e] = io(kv * egl)
+                q8[e] = io(Float32(q8[e]) * eg)
+            cute.copy(tiled, kb8, tKb[None, m, None])
+            cute.copy(tiled, k8, tK[None, m, None])
+            cute.copy(tiled, q8, tQ[None, m, None])
+
+    @cute.jit
+    def kda_factors_vec(self, ctid, stage, qb: int, anchor, lo, sQ, sK, sL, sLq, sR, sGk):
+        """The anchored factors of `kda_block` in 16-byte vectors: rows r >= lo of sL = k 2^(G_r - G_a) (and
+        sLq = q 2^(G_r - G_a)); sR[i] = k[16 qb + i] 2^(G_a - G[16 qb + i])."""
+        io = self.io_dtype
+        outputs = self.outputs
+        tiled = self.vec_copy()
+        thr = tiled.get_slice(ctid)
+        tQ = thr.partition_S(sQ[None, None, stage])
+        tK = thr.partition_S(sK[None, None, stage])
+        tL = thr.partition_D(sL)
+        tLq = thr.partition_D(sLq)
+        crd = thr.partition_S(cute.make_identity_tensor((C, 128)))
+        for m in cutlass.range(cute.size(tK, mode=[1]), unroll=1):
+            r, d0 = crd[0, m, 0]
+            if r >= lo:
+                g8 = cute.make_rmem_tensor((8,), Float32)
+                ga8 = cute.make_rmem_tensor((8,), Float32)
+                self.load_g8(sGk, r, d0, g8)
+                self.load_g8(sGk, anchor, d0, ga8)
+                f8 = cute.make_rmem_tensor((8,), Float32)
+                for e in cutlass.range_constexpr(8):
+                    f8[e] = cute.math.exp2(g8[e] - ga8[e], fastmath=True)
+                k8 = cute.make_rmem_tensor_like(tK[None, m, None])
+                cute.copy(tiled, tK[None, m, None], k8)
+                for e in cutlass.range_constexpr(8):
+                    k8[e] = io(Float32(k8[e]) * f8[e])
+                cute.copy(tiled, k8, tL[None, m, None])
+                if cutlass.const_expr(outputs):  # Aqk only feeds the outputs
+                    q8 = cute.make_rmem_tensor_like(tQ[None, m, None])
+                    cute.copy(tiled, tQ[None, m, None], q8)
+                    for e in cutlass.range_constexpr(8):
+                        q8[e] = io(Float32(q8[e]) * f8[e])
+                    cute.copy(tiled, q8, tLq[None, m, None])
+        # sR: the 16 rows of column block qb, one vector per thread.
+        tKr = thr.partition_S(cute.local_tile(sK[None, None, stage], (16, 128), (qb, 0)))
+        tR = thr.partition_D(sR)
+        crd_r = thr.partition_S(cute.make_identity_tensor((16, 128)))
+        i, d0 = crd_r[0, 0, 0]
+        g8 = cute.make_rmem_tensor((8,), Float32)
+        ga8 = cute.make_rmem_tensor((8,), Float32)
+        self.load_g8(sGk, 16 * qb + i, d0, g8)
+        self.load_g8(sGk, anchor, d0, ga8)
+        k8 = cute.make_rmem_tensor_like(tKr[None, 0, None])
+        cute.copy(tiled, tKr[None, 0, None], k8)
+        for e in cutlass.range_constexpr(8):
+            k8[e] = io(Float32(k8[e]) * cute.math.exp2(ga8[e] - g8[e], fastmath=True))
+        cute.copy(tiled, k8, tR[None, 0, None])
+
+    @cute.jit
+    def kda_intra(self, j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sL, sGk, sBeta, sFlag, st):
+        """KDA Akk (fp32, beta on rows) and Aqk (bf16, scaled) without overflow: anchored per 16-column block on
+        wgmma (warpgroup 0 for k, 1 for q), or, past KDA_ANCHOR_LIMIT, the exact path (diagonal blocks as exact
+        channel sums). Spec and tests: cute_kernels/reference/kda_intra.py."""
+        io = self.io_dtype
+        sLq = self.view(st.sKb, C, 128)[None, None, 0]      # left factors of the q rows (K-major A)
+        sR = self.view(st.sVnew, 16, 128)[None, None, 0]    # right factor of one column block
+        exact = sFlag[0] != 0
+        not_exact = sFlag[0] == 0
+        if exact:   # column block 3 and the diagonal blocks' upper halves are not written by the blocks below
+            for e in cutlass.range(ctid, C * C, 256, unroll=4):
+                sAkk[e // C, e % C] = Float32(0.0)
+                sAqk[e // C, e % C] = io(0.0)
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        for qb in cutlass.range_constexpr(4):
+            # fast: anchor = first row of the block, rows >= it; exact: anchor = last row, rows below the block
+            anchor = Int32(16 * qb)
+            lo = Int32(16 * qb)
+            if exact:
+                anchor = Int32(16 * qb + 15)
+                lo = Int32(16 * qb + 16)
+            if cutlass.const_expr(qb < 3):
+                self.kda_block(j, ctid, wtid, L, scale, stage, qb, anchor, lo, sQ, sK, sAkk, sAqk, sL, sLq, sR,
+                               sGk, sBeta)
+            else:
+                if not_exact:
+                    self.kda_block(j, ctid, wtid, L, scale, stage, qb, anchor, lo, sQ, sK, sAkk, sAqk, sL, sLq, sR,
+                                   sGk, sBeta)
+        if exact:
+            # Diagonal 16 x 16 blocks: exact sums over channels, 2^(G_r - G_i) <= 1 for i <= r.
+            for e in cutlass.range(ctid, 4 * 256, 256, unroll=1):
+                base = (e // 256) * 16
+                r = base + (e % 256) // 16
+                i = base + e % 16
+                if i <= r:
+                    skk = Float32(0.0)
+                    sqk = Float32(0.0)
+                    for d in cutlass.range(128, unroll=8):
+                        kid = Float32(sK[i, d, stage]) * cute.math.exp2(sGk[r, d] - sGk[i, d], fastmath=True)
+                        skk = skk + Float32(sK[r, d, stage]) * kid
+                        sqk = sqk + Float32(sQ[r, d, stage]) * kid
+                    if i < r and r < L:
+                        sAkk[r, i] = skk * sBeta[r]
+                    sAqk[r, i] = io(sqk * scale)
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
+    @cute.jit
+    def kda_block(self, j, ctid, wtid, L, scale, stage, qb: int, anchor, lo, sQ, sK, sAkk, sAqk, sL, sLq, sR, sGk,
+                  sBeta):
+        """Column block qb of Akk / Aqk from rows >= lo: [x_r 2^(G_r - G_anchor)] @ [k_i 2^(G_anchor - G_i)]^T."""
+        io = self.io_dtype
+        outputs = self.outputs
+        thr16 = self.make_mma(False, False, 16).get_slice(wtid)
+        cc16 = thr16.partition_C(cute.make_identity_tensor((C, 16)))
+        acc16 = cute.make_rmem_tensor(thr16.partition_shape_C((C, 16)), Float32)
+        self.kda_factors_vec(ctid, stage, qb, anchor, lo, sQ, sK, sL, sLq, sR, sGk)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        # Writes the whole 64 x 16 column block (no zero fill needed); the exact path then overwrites its diagonal.
+        if j == 0:
+            self.gemm(wtid, acc16, sL, sR, False, False, False, 16)
+            for i in cutlass.range_constexpr(cute.size(acc16)):
+                r, col = cc16[i]
+                acc16[i] = cutlass.select_(r >= lo and r > 16 * qb + col and r < L, acc16[i] * sBeta[r], Float32(0.0))
+            for i in cutlass.range_constexpr(cute.size(acc16)):
+                r, col = cc16[i]
+                sAkk[r, 16 * qb + col] = acc16[i]
+        else:
+            if cutlass.const_expr(outputs):
+                self.gemm(wtid, acc16, sLq, sR, False, False, False, 16)
+                for i in cutlass.range_constexpr(cute.size(acc16)):
+                    r, col = cc16[i]
+                    acc16[i] = cutlass.select_(r >= lo and r >= 16 * qb + col, acc16[i] * scale, Float32(0.0))
+                for i in cutlass.range_constexpr(cute.size(acc16)):
+                    r, col = cc16[i]
+                    sAqk[r, 16 * qb + col] = io(acc16[i])
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
+    @cute.jit
+    def kda_row_factors(self, ctid, L, stage, sQ, sK, sKb, sL, sLq, sR, sC, sGk, sGL, q_scale):
+        """Factors of the row-anchored Akk / Aqk in 16-byte vectors (row r of block m, anchor a = 16 m,
+        f = 2^(G_r - G_a) <= 1): sL[r] = k f, sLq[r] = q f, band 0 right factor R0 = k / f, band delta
+        R0 c_(m + delta, m); then the gating in place: q <- q 2^G, k <- k 2^(G_L - G) (0 past the end), kb = k 2^G.
+        `q_scale` (phase 1 with TMA stores: the attention scale) multiplies the gated q."""
+        io = self.io_dtype
+        tiled = self.vec_copy()
+        thr = tiled.get_slice(ctid)
+        tQ = thr.partition_S(sQ[None, None, stage])
+        tK = thr.partition_S(sK[None, None, stage])
+        tKb = thr.partition_D(sKb)
+        tL = thr.partition_D(sL)
+        tLq = thr.partition_D(sLq)
+        tR = [thr.partition_D(sR[delta]) for delta in range(4)]
+        crd = thr.partition_S(cute.make_identity_tensor((C, 128)))
+        gl8 = cute.make_rmem_tensor((8,), Float32)   # G_L of this thread's channels (the same for its 4 rows)
+        cute.autovec_copy(cute.local_tile(sGL, (8,), (cute.assume(crd[0, 0, 0][1], divby=8) // 8,)), gl8)
+        for m in cutlass.range_constexpr(4):
+            r, d0 = crd[0, m, 0]
+            g8 = cute.make_rmem_tensor((8,), Float32)
+            ga8 = cute.make_rmem_tensor((8,), Float32)
+            self.load_g8(sGk, r, d0, g8)
+            self.load_g8(sGk, 16 * m, d0, ga8)
+            ega8 = cute.make_rmem_tensor((8,), Float32)
+            cute.autovec_copy(cute.local_tile(sC[6 + m, None], (8,), (cute.assume(d0, divby=8) // 8,)), ega8)
+            q8 = cute.make_rmem_tensor_like(tQ[None, m, None])
+            k8 = cute.make_rmem_tensor_like(tK[None, m, None])
+            cute.copy(tiled, tQ[None, m, None], q8)
+            cute.copy(tiled, tK[None, m, None], k8)
+            lk8 = cute.make_rmem_tensor_like(k8)
+            lq8 = cute.make_rmem_tensor_like(k8)
+            r08 = cute.make_rmem_tensor_like(k8)
+            kb8 = cute.make_rmem_tensor_like(k8)
+            r0 = cute.make_rmem_tensor((8,), Float32)
+            for e in cutlass.range_constexpr(8):
+                x = g8[e] - ga8[e]
+                f = cute.math.exp2(x, fastmath=True)
+                kv = Float32(k8[e])
+                qv = Float32(q8[e])
+                lk8[e] = io(kv * f)
+                lq8[e] = io(qv * f)
+                r0[e] = kv * cute.math.exp2(-x, fastmath=True)
+                r08[e] = io(r0[e])
+                eg = ega8[e] * f
+                egl = cutlass.select_(r < L, cute.math.exp2(gl8[e] - g8[e], fastmath=True), Float32(0.0))
+                kb8[e] = io(kv * eg)
+                k8[e] = io(kv * egl)
+                q8[e] = io(qv * (eg * q_scale))
+            cute.copy(tiled, lk8, tL[None, m, None])
+            cute.copy(tiled, lq8, tLq[None, m, None])
+            cute.copy(tiled, r08, tR[0][None, m, None])
+            cute.copy(tiled, kb8, tKb[None, m, None])
+            cute.copy(tiled, k8, tK[None, m, None])
+            cute.copy(tiled, q8, tQ[None, m, None])
+            for delta in cutlass.range_constexpr(1, 4 - m):
+                pair = m if delta == 1 else (3 + m if delta == 2 else 5)   # sC row of (m + delta, m)
+                c8 = cute.make_rmem_tensor((8,), Float32)
+                cute.autovec_copy(cute.local_tile(sC[pair, None], (8,), (cute.assume(d0, divby=8) // 8,)), c8)
+                rd8 = cute.make_rmem_tensor_like(k8)
+                for e in cutlass.range_constexpr(8):
+                    rd8[e] = io(r0[e] * c8[e])
+                cute.copy(tiled, rd8, tR[delta][None, m, None])
+
+    def kda_row_accumulators(self, wtid):
+        """This thread's slices and fp32 accumulators of the four band products (64 x {64, 48, 32, 16} tiles)."""
+        thr = [self.make_mma(False, False, 64 - 16 * delta).get_slice(wtid) for delta in range(4)]
+        acc = [cute.make_rmem_tensor(thr[delta].partition_shape_C((C, 64 - 16 * delta)), Float32)
+               for delta in range(4)]
+        return thr, acc
+
+    @cute.jit
+    def kda_row_issue(self, wtid, acc, sA, sR):
+        """The row-anchored Akk / Aqk, one consumer warpgroup, issued (not waited): product delta = sA (L_k or L_q,
+        64 x 128) times the band-delta right factors (64 - 16 delta rows)."""
+        for delta in cutlass.range_constexpr(4):
+            self.gemm(wtid, acc[delta], sA, sR[delta], False, False, False, 64 - 16 * delta, wait=False)
+
+    @cute.jit
+    def kda_row_finish(self, wtid, L, scale, thr, acc, tAkk, sAqk, sBeta, kk: bool):
+        """The row-anchored Akk / Aqk, after the wait: element (r, i) of the chunk's matrix comes from product
+        r // 16 - i // 16 (0 above the diagonal blocks): every product's accumulator holds the first 64 - 16 delta
+        columns in the same per-thread order, so the bands merge in registers by selects. kk: Akk[r, i] = beta_r A
+        (i < r < L) -> fp32 (tAkk: this thread's part of it), else Aqk[r, i] = scale A (i <= r) -> 16-bit, stmatrix."""
+        cc = thr[0].partition_C(cute.make_identity_tensor((C, C)))
+        a = acc[0]
+        for i in cutlass.range_constexpr(cute.size(a)):
+            r, col = cc[i]
+            band = r // 16 - col // 16
+            x = a[i]
+            for delta in cutlass.range_constexpr(1, 4):
+                if cutlass.const_expr(i < cute.size(acc[delta])):
+                    x = cutlass.select_(band == delta, acc[delta][i], x)
+            if cutlass.const_expr(kk):
+                a[i] = cutlass.select_(col < r and r < L, x * sBeta[r], Float32(0.0))
+            else:
+                a[i] = cutlass.select_(col <= r, x * scale, Float32(0.0))
+        if cutlass.const_expr(kk):
+            for i in cutlass.range_constexpr(cute.size(a)):   # stores after all loads
+                tAkk[i] = a[i]
+        else:
+            self.store_acc(wtid, self.make_mma(False, False), a, sAqk)
+
+    @cute.jit
+    def solve_blocked(self, ctid, sAkk, sY, sXv, sXk, sBeta, sEG, sRow=None):
+        """X = (I + A)^-1 for strictly-lower A [64, 64] (fp32 smem), 256 threads, by recursive doubling; X's strict
+        lower part is written transposed into A's unused upper triangle. Writes Xv = X diag(beta) and (GDN)
+        Xk = X diag(beta 2^G), or with `sRow` diag(sRow) X diag(beta), in 16-bit.
+        Spec (same steps, CPU-tested): cute_kernels/reference/blocked_solve.py."""
+        io = self.io_dtype
+        if ctid < C:
+            # Right-looking substitution on each 16 x 16 diagonal block, one column per thread; rows above c stay 0.
+            base = (ctid // 16) * 16
+            c = ctid % 16
+            x = cute.make_rmem_tensor((16,), Float32)
+            for r in cutlass.range_constexpr(16):
+                x[r] = cutlass.select_(c == r, Float32(1.0), Float32(0.0))
+            for i in cutlass.range_constexpr(16):
+                xi = x[i]
+                for r in cutlass.range_constexpr(i + 1, 16):
+                    x[r] = x[r] - sAkk[base + r, base + i] * xi
+            for r in cutlass.range_constexpr(16):
+                if r > c:
+                    sAkk[base + c, base + r] = x[r]
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        if cutlass.const_expr(self.solve_mma):
+            self.solve_levels_mma(ctid, sAkk, sY)
+        else:
+            self.solve_levels(ctid, sAkk, sY)
+        # Xv, Xk in 16-bit: thread (r, i-group) writes columns [i0, i0 + 8) of row r; X[r, i] (i < r) is at [i, r].
+        r = ctid % 64
+        xb = cute.make_rmem_tensor((8,), Float32)
+        fb = cute.make_rmem_tensor((8,), Float32)
+        yv = cute.make_rmem_tensor((8,), io)
+        yk = cute.make_rmem_tensor((8,), io)
+        for pss in cutlass.range_constexpr(2):
+            i0 = 8 * (ctid // 64) + 32 * pss
+            cute.autovec_copy(cute.local_tile(sBeta, (8,), (cute.assume(i0, divby=8) // 8,)), fb)
+            for e in cutlass.range_constexpr(8):
+                xv = sAkk[i0 + e, r]
+                xv = cutlass.select_(i0 + e > r, Float32(0.0), xv)
+                xv = cutlass.select_(i0 + e == r, Float32(1.0), xv)
+                xb[e] = xv * fb[e]
+                yv[e] = io(xb[e])
+            cute.autovec_copy(yv, cute.local_tile(sXv[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
+            if cutlass.const_expr(sRow is not None):
+                fr = sRow[r]
+                for e in cutlass.range_constexpr(8):
+                    yk[e] = io(xb[e] * fr)
+                cute.autovec_copy(yk, cute.local_tile(sXk[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
+            elif cutlass.const_expr(not self.kda):
+                cute.autovec_copy(cute.local_tile(sEG, (8,), (cute.assume(i0, divby=8) // 8,)), fb)
+                for e in cutlass.range_constexpr(8):
+                    yk[e] = io(xb[e] * fb[e])
+                cute.autovec_copy(yk, cute.local_tile(sXk[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
+
+    @cute.jit
+    def solve_levels(self, ctid, sAkk, sY):
+        """`solve_blocked`'s doubling levels h = 16, 32 on the CUDA cores (256 threads)."""
+        # Per level: Y = A_10 X_00 (-> sY), then X_10 = -(Y + X_11^strict Y), stored transposed above the diagonal.
+        sY16 = cute.make_tensor(sY.iterator, cute.make_layout((64, 16), stride=(16, 1)))   # h = 16: rows b0 + r
+        sY32 = cute.make_tensor(sY.iterator, cute.make_layout((32, 32), stride=(32, 1)))
+        part = cute.make_rmem_tensor((4, 4), Float32)   # (row j, s % 4)
+        a4 = cute.make_rmem_tensor((4, 4), Float32)     # (row j, s0 .. s0 + 3): A rows
+        x4 = cute.make_rmem_tensor((4,), Float32)
+        # h = 16: blocks (rows 16..31, cols 0..15), (48..63, 32..47), 128 threads each: rows 2 rr, 2 rr + 1 of col cc.
+        b0 = 32 * (ctid // 128)
+        b1 = b0 + 16
+        rr = (ctid % 128) // 16
+        cc = ctid % 16
+        part.fill(0.0)
+        for s0 in cutlass.range_constexpr(0, 16, 4):
+            self.load4(sAkk, b0 + cc, b0 + s0, x4)   # X_00[s, cc] sits transposed at [b0 + cc, b0 + s]
+            for e in cutlass.range_constexpr(4):
+                x4[e] = cutlass.select_(s0 + e < cc, Float32(0.0), x4[e])
+                x4[e] = cutlass.select_(s0 + e == cc, Float32(1.0), x4[e])
+            for j in cutlass.range_constexpr(2):
+                self.load4(sAkk, b1 + 2 * rr + j, b0 + s0, a4[j, None])
+            for j in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(4):
+                    part[j, e] = part[j, e] + a4[j, e] * x4[e]
+        for j in cutlass.range_constexpr(2):
+            sY16[b0 + 2 * rr + j, cc] = (part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3])
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        part.fill(0.0)
+        for s in cutlass.range_constexpr(16):
+            # X_11[2 rr + j, s] sits transposed at [b1 + s, b1 + 2 rr + j]
+            cute.autovec_copy(cute.local_tile(sAkk[b1 + s, None], (2,), (cute.assume(b1 + 2 * rr, divby=2) // 2,)),
+                              cute.local_tile(x4, (2,), (0,)))
+            y = sY16[b0 + s, cc]
+            for j in cutlass.range_constexpr(2):
+                xv = cutlass.select_(s >= 2 * rr + j, Float32(0.0), x4[j])
+                part[j, s % 4] = part[j, s % 4] + xv * y
+        for j in cutlass.range_constexpr(2):
+            x4[j] = -sY16[b0 + 2 * rr + j, cc] - ((part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3]))
+        cute.autovec_copy(cute.local_tile(x4, (2,), (0,)),
+                          cute.local_tile(sAkk[b0 + cc, None], (2,), (cute.assume(b1 + 2 * rr, divby=2) // 2,)))
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        # h = 32: rows 32..63 x cols 0..31, all 256 threads; thread (g, cc) owns rows 4 g .. 4 g + 3 of column cc.
+        g = ctid // 32
+        cc = ctid % 32
+        part.fill(0.0)
+        for s0 in cutlass.range_constexpr(0, 32, 4):
+            self.load4(sAkk, cc, s0, x4)
+            for e in cutlass.range_constexpr(4):
+                x4[e] = cutlass.select_(s0 + e < cc, Float32(0.0), x4[e])
+                x4[e] = cutlass.select_(s0 + e == cc, Float32(1.0), x4[e])
+            for j in cutlass.range_constexpr(4):
+                self.load4(sAkk, 32 + 4 * g + j, s0, a4[j, None])
+            for j in cutlass.range_constexpr(4):
+                for e in cutlass.range_constexpr(4):
+                    part[j, e] = part[j, e] + a4[j, e] * x4[e]
+        for j in cutlass.range_constexpr(4):
+            sY32[4 * g + j, cc] = (part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3])
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        part.fill(0.0)
+        for s in cutlass.range_constexpr(32):
+            self.load4(sAkk, 32 + s, 32 + 4 * g, x4)   # X_11[4 g + j, s] sits transposed at [32 + s, 32 + 4 g + j]
+            y = sY32[s, cc]
+            for j in cutlass.range_constexpr(4):
+                xv = cutlass.select_(s >= 4 * g + j, Float32(0.0), x4[j])
+                part[j, s % 4] = part[j, s % 4] + xv * y
+        for j in cutlass.range_constexpr(4):
+            x4[j] = -sY32[4 * g + j, cc] - ((part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3]))
+        cute.autovec_copy(x4, self.tile4(sAkk, cc, 32 + 4 * g))
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
+    @cute.jit
+    def solve_levels_mma(self, ctid, sAkk, sY):
+        """`solve_blocked`'s doubling levels h = 16, 32 as tf32 mma.sync (m16n8k8, cvt.rna, fp32 accumulation):
+        Y = A_10 X_00, then X_10 = -(Y + X_11^strict Y), X_11's unit diagonal applied in fp32. Spec:
+        `reference/blocked_solve.py: blocked_unit_lower_inverse(operand="tf32")`."""
+        warp_i = ctid // 32
+        lane = ctid % 32
+        mma = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
+        thr = mma.get_slice(lane)
+        cc = thr.partition_C(cute.make_identity_tensor((16, 8)))   # (row, column) of each accumulator element
+        for lvl in cutlass.range_constexpr(2):
+            h = 16 * (lvl + 1)
+            # this warp's tile of X_10 (both products): h = 16: block pair warp_i / 2 (b0 = 0, 32), n-tile
+            # warp_i % 2; h = 32: 2 m-tiles x 4 n-tiles
+            pair = warp_i // 2 if lvl == 0 else 0
+            mt = 0 if lvl == 0 else warp_i // 4
+            nt = warp_i % 2 if lvl == 0 else warp_i % 4
+            b0 = 2 * h * pair
+            b1 = b0 + h
+            y_off = pair * 16 * Y_STRIDE
+            if warp_i < (4 if lvl == 0 else 8):
+                # product 1: Y = A_10 X_00 (A: (i, s) = A[b1 + i, b0 + s]; B: (c, s) = X_00[s, c], stored at
+                # [b0 + c, b0 + s] for s > c)
+                gA = cute.make_tensor(sAkk.iterator + (b1 * AKK_STRIDE + b0),
+                                      cute.make_layout((h, h), stride=(AKK_STRIDE, 1)))
+                gB = cute.make_tensor(sAkk.iterator + (b0 * AKK_STRIDE + b0),
+                                      cute.make_layout((h, h), stride=(AKK_STRIDE, 1)))
+                y = self.mma_tf32(mma, thr, gA, gB, mt, nt, h, 0, 2)
+                for e in cutlass.range_constexpr(cute.size(y)):
+                    r, c = cc[e]
+                    sY[y_off + (16 * mt + r) * Y_STRIDE + 8 * nt + c] = y[e]
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            if warp_i < (4 if lvl == 0 else 8):
+                # product 2: Z = X_11^strict Y (A: (i, s) = X_11[i, s] at [b1 + s, b1 + i], i > s; B: (c, s) =
+                # Y[s, c] from sY)
+                gA = cute.make_tensor(sAkk.iterator + (b1 * AKK_STRIDE + b1),
+                                      cute.make_layout((h, h), stride=(1, AKK_STRIDE)))
+                gB = cute.make_tensor(sY.iterator + y_off, cute.make_layout((h, h), stride=(1, Y_STRIDE)))
+                z = self.mma_tf32(mma, thr, gA, gB, mt, nt, h, 1, 0)
+                for e in cutlass.range_constexpr(cute.size(z)):
+                    r, c = cc[e]
+                    i = 16 * mt + r
+                    n = 8 * nt + c
+                    sAkk[b0 + n, b1 + i] = -(sY[y_off + i * Y_STRIDE + n] + z[e])
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
+    @cute.jit
+    def mma_tf32(self, mma, thr, gA, gB, mt, nt, h: int, a_mask: int, b_mask: int):
+        """A B^T (fp32, returned) on one warp's 16 x 8 tile (mt, nt) in tf32: gA (M, K), gB (N, K) fp32 views [h, h].
+        a_mask 1: keep A's strict lower triangle (i > s). b_mask 2: B is a unit lower triangle's transpose."""
+        tA = thr.partition_A(cute.local_tile(gA, (16, h), (mt, 0)))
+        tB = thr.partition_B(cute.local_tile(gB, (8, h), (nt, 0)))
+        cA = thr.partition_A(cute.local_tile(cute.make_identity_tensor((h, h)), (16, h), (mt, 0)))
+        cB = thr.partition_B(cute.local_tile(cute.make_identity_tensor((h, h)), (8, h), (nt, 0)))
+        rA = mma.make_fragment_A(tA)
+        rB = mma.make_fragment_B(tB)
+        iA = cute.recast_tensor(rA, Int32)
+        iB = cute.recast_tensor(rB, Int32)
+        for e in cutlass.range_constexpr(cute.size(tA)):
+            v = tA[e]
+            if cutlass.const_expr(a_mask == 1):
+                i, k = cA[e]
+                v = cutlass.select_(i > k, v, Float32(0.0))
+            iA[e] = Int32(cute.arch.cvt_f32_tf32(v))
+        for e in cutlass.range_constexpr(cute.size(tB)):
+            v = tB[e]
+            if cutlass.const_expr(b_mask == 2):
+                n, k = cB[e]
+                v = cutlass.select_(k < n, Float32(0.0), v)
+                v = cutlass.select_(k == n, Float32(1.0), v)
+            iB[e] = Int32(cute.arch.cvt_f32_tf32(v))
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((16, 8)), Float32)
+        acc.fill(0.0)
+        cute.gemm(mma, acc, rA, rB, acc)
+        return acc
+
+    @cute.jit
+    def tile4(self, sA, row, col):
+        """sA[row, col : col + 4] of the fp32 Akk / X buffer (col a multiple of 4: one 16-byte vector)."""
+        return cute.local_tile(sA[row, None], (4,), (cute.assume(col, divby=4) // 4,))
+
+    @cute.jit
+    def load4(self, sA, row, col, dst):
+        cute.autovec_copy(self.tile4(sA, row, col), dst)
+
+    @cute.jit
+    def store_acc(self, wtid, tiled_mma, acc, dst):
+        wt.store_acc(self.io_dtype, wtid, tiled_mma, acc, dst)
+
+    @cute.jit
+    def store_rows(self, wtid, sO, mO, t0, head, v0, L):
+        wt.store_rows(self.io_dtype, wtid, sO, mO, t0, head, v0, L)
+
+    def make_mma(self, a_mn_major: bool, b_mn_major: bool, n: int = 64):
+        return wt.make_mma(self.io_dtype, a_mn_major, b_mn_major, n)
+
+    @cute.jit
+    def gemm(self, wtid, acc, sA, sB, a_mn_major: bool, b_mn_major: bool, accumulate: bool, n: int = 64,
+             wait: bool = True):
+        wt.gemm(self.io_dtype, wtid, acc, sA, sB, a_mn_major, b_mn_major, accumulate, n, wait)

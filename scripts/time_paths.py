@@ -1,0 +1,142 @@
+"""Time the chunked forward's paths, phases and merges on the GPU (GPU time from CUDA-graph replay, eager time
+beside it); prints one line each, as it goes.
+
+    python3 scripts/time_paths.py paths    [B,H,T;...]   # each path pinned (fused, two-phase, overlapped) and the
+                                                        # planner's choice, GDN and KDA
+    python3 scripts/time_paths.py phases   [B,H,T;...]   # phase 1 and the state pass alone
+    python3 scripts/time_paths.py merges                 # every affine-merge impl, and lse_merge
+    python3 scripts/time_paths.py host                   # an eager call's wall time at small T (host-bound)
+
+Cells default to a few seed cells; TIME_OPS=gdn,kda picks the ops.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+CELLS = "1,4,1024;1,4,16384;1,16,4096;2,16,8192;16,64,4096"
+
+
+def graph_us(fn, warmup: int = 3, reps: int = 20) -> float:
+    """Median GPU time of `fn` per call, from replays of a CUDA graph of it (no host launch gaps)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def eager_us(fn, reps: int = 20) -> float:
+    """Median wall time of an eager call, synchronized (host and GPU together)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
+def inputs(B, T, H, kda, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, 128, generator=gen), dim=-1).bfloat16().cuda()
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, 128, generator=gen), dim=-1).bfloat16().cuda()
+    v = torch.randn(B, T, H, 128, generator=gen).bfloat16().cuda()
+    g = torch.nn.functional.logsigmoid(torch.randn((B, T, H, 128) if kda else (B, T, H), generator=gen)).cuda()
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen)).bfloat16().cuda()
+    return q, k, v, g, beta
+
+
+def cells(arg: str | None):
+    return [tuple(int(x) for x in c.split(",")) for c in (arg or CELLS).split(";")]
+
+
+def ops():
+    return [op == "kda" for op in os.environ.get("TIME_OPS", "gdn,kda").split(",")]
+
+
+def paths(arg):
+    import cute_kernels.ops.linear_attention as la
+    from cute_kernels.plan import PlanOptions
+
+    options = {"fused": PlanOptions("fused"), "two_phase": PlanOptions("two_phase", overlap="never"),
+               "overlap": PlanOptions("two_phase", overlap="always"), "auto": PlanOptions("auto")}
+    for kda in ops():
+        for B, H, T in cells(arg):
+            x = inputs(B, T, H, kda)
+            line = []
+            for name, opt in options.items():
+                call = lambda opt=opt: la.forward(*x, None, None, False, None, False, None, None,  # noqa: E731
+                                                  kda=kda, options=opt)
+                call()
+                ran = la._last[1]
+                if name == "overlap" and ran != "overlap":
+                    continue
+                line.append(f"{name} {graph_us(call):.1f} us (eager {eager_us(call):.1f})"
+                            + (f" [ran {ran}, N={la._last[0].segments}]" if name == "auto" else ""))
+            print(f"{'kda' if kda else 'gdn'} B={B} H={H} T={T}: " + " | ".join(line), flush=True)
+
+
+def phases(arg):
+    from cute_kernels.paths import two_phase
+
+    for kda in ops():
+        for B, H, T in cells(arg):
+            q, k, v, g, beta = inputs(B, T, H, kda)
+            terms = two_phase.chunk_prep(q, k, v, g, beta, kda=kda)
+            t1 = graph_us(lambda: two_phase.chunk_prep(q, k, v, g, beta, kda=kda))
+            t2 = graph_us(lambda: two_phase.state_pass(terms, output_final_state=True))
+            chunks = B * H * -(-T // 64)
+            print(f"{'kda' if kda else 'gdn'} B={B} H={H} T={T}: phase 1 {t1:.1f} us, state pass (unsplit) "
+                  f"{t2:.1f} us ({t2 / -(-T // 64):.2f} us per chunk of the chain; {chunks} chunks)", flush=True)
+
+
+def merges():
+    import cute_kernels as ck
+
+    for impl in ("staged", "prefetch", "regs", "tc"):
+        for N, S, H in [(1, 32, 4), (4, 8, 16), (1, 8, 8)]:
+            M = torch.randn(N * S, H, 128, 128, device="cuda") * 0.05
+            h = torch.randn(N * S, H, 128, 128, device="cuda")
+            offs = torch.arange(0, N * S + 1, S, device="cuda", dtype=torch.int32)
+            t = graph_us(lambda: ck.affine_merge(M, h, offs, impl=impl))
+            print(f"affine_merge[{impl}] N={N} segments={S} H={H}: {t:.1f} us ({t / S:.2f} per segment)", flush=True)
+    for S, R in [(16, 4 * 32), (8, 64 * 32)]:
+        o = torch.randn(S, R, 128, device="cuda")
+        lse = torch.randn(S, R, device="cuda")
+        print(f"lse_merge splits={S} rows={R}: {graph_us(lambda: ck.lse_merge(o, lse)):.1f} us", flush=True)
+
+
+def host():
+    import cute_kernels as ck
+
+    for kda in ops():
+        op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
+        for T in (64, 128, 256):
+            x = inputs(1, T, 4, kda)
+            print(f"{'kda' if kda else 'gdn'} B=1 H=4 T={T}: eager {eager_us(lambda: op(*x)):.1f} us, graph "
+                  f"{graph_us(lambda: op(*x)):.1f} us ({ck.last_plan().splitlines()[-1]})", flush=True)
+
+
+if __name__ == "__main__":
+    mode, arg = (sys.argv + [None, None])[1:3]
+    {"paths": paths, "phases": phases, "merges": lambda _: merges(), "host": lambda _: host()}[mode or "paths"](arg)

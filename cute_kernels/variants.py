@@ -11,6 +11,7 @@ from typing import Callable
 SM90 = ("sm_90a",)
 ANY = ("sm_90a", "sm_100a")
 WGMMA, TMA_LOAD, REGS_UP = "wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"
+PUBLISH = ("fence.acq_rel.gpu", "atom.global.release.add")   # phase 1 publishing a chunk: release fence, add
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,11 @@ def _variants() -> list[Variant]:
             out.append(Variant(op, name, lambda d, c=cfg, io=io, b=beta: build_fused(c, io, b, dump_dir=d), need, SM90))
         # phase 1: the plain path's folded builds (GDN at 2 and 3 CTAs per SM), the overlapped path's builds
         preps = ([(PrepConfig(kda=True, terms="folded", ctas_per_sm=1), ("cp.async.bulk.tensor.3d.global.shared",)),
-                  (PrepConfig(kda=True, terms="folded", ctas_per_sm=1, publish=True), ("atom.release.gpu",))]
+                  (PrepConfig(kda=True, terms="folded", ctas_per_sm=1, publish=True), PUBLISH)]
                  if kda else
                  [(PrepConfig(terms="folded", ctas_per_sm=2), (".minnctapersm 2",)),
                   (PrepConfig(terms="folded", ctas_per_sm=3), (".minnctapersm 3",)),
-                  (PrepConfig(terms="solved", ctas_per_sm=1, publish=True), ("atom.release.gpu", REGS_UP))])
+                  (PrepConfig(terms="solved", ctas_per_sm=1, publish=True), PUBLISH + (REGS_UP,))])
         for cfg, extra in preps:
             name = f"{tag}_prep_{cfg.terms}_{cfg.ctas_per_sm}_per_sm" + ("_publish" if cfg.publish else "")
             need = (WGMMA, TMA_LOAD, "st.global.v4", "griddepcontrol.launch_dependents") + extra

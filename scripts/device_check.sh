@@ -2,9 +2,10 @@
 # Build, check and time on the GPU machine in one call, by stage. From the repo root, after
 # `source .wheelhouse/b/install.sh`:
 #   bash scripts/device_check.sh [tests] [sanitize] [mutations] [compare] [seed8] [fla8] [paths] [bench-OP-GRID] ...
-# Logs and JSON go to $OUT (or ./device_out), so they come back with the call. Every stage runs under a hard
-# limit (SIGINT first, so a sweep writes the cells it measured), so a hung kernel cannot eat the session.
-#   tests      the whole suite; --require-gpu: a GPU test (or a peer such as FLA) that cannot run fails
+# Logs go to $OUT/logs_<stages>.tgz (one file: a call brings back at most 8), the seed8 / fla8 JSON to ./device_out (kept
+# on the machine between calls) and a copy into $OUT. Every stage runs under a hard limit (SIGINT first, so a
+# sweep writes the cells it measured), so a hung kernel cannot eat the session.
+#   tests      every GPU test (CI runs the rest); --require-gpu: a GPU test (or FLA) that cannot run fails
 #   sanitize   compute-sanitizer memcheck, racecheck, synccheck over scripts/sanitize_cases.py (every path, small)
 #   mutations  planted kernel bugs, each caught by the GPU tests (scripts/mutations.py --gpu)
 #   compare    outputs of every path bitwise against the tree in $BASELINE (default .baseline: an older export)
@@ -12,8 +13,10 @@
 #   fla8       the same cells with FLA (then seed8's comparison again, FLA beside)
 #   paths      scripts/time_paths.py paths
 set -uo pipefail
-out=${OUT:-device_out}
-mkdir -p "$out"
+dest=${OUT:-device_out}
+out=$dest/logs
+keep=$PWD/device_out
+mkdir -p "$out" "$keep"
 export PYTHONUNBUFFERED=1 CUTE_KERNELS_DUMP_DIR=${CUTE_KERNELS_DUMP_DIR:-/tmp/ck_dump}
 baseline=${BASELINE:-.baseline}
 stages=${*:-tests}
@@ -38,7 +41,7 @@ for stage in $stages; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
     tests)
-      run tests.log $t python3 -m pytest tests -q -p no:cacheprovider --require-gpu -m "not compile" --tb=short ;;
+      run tests.log $t python3 -m pytest tests -q -p no:cacheprovider --require-gpu -m "gpu and not compile" --tb=short ;;
     sanitize)
       for tool in memcheck racecheck synccheck; do
         TAIL=20 run "sanitize_$tool.log" $t "$sanitizer" --tool $tool --error-exitcode 99 --target-processes all \
@@ -53,21 +56,23 @@ for stage in $stages; do
     seed8)
       for round in 1 2; do
         PYTHONPATH=$PWD/$baseline:$PYTHONPATH CUTE_KERNELS_AOT_DIR=$PWD/.aot_baseline TAIL=0 \
-          run seed8_old_$round.log $t python3 scripts/seed_cells.py time ours "$out/seed8_old.json"
-        TAIL=0 run seed8_new_$round.log $t python3 scripts/seed_cells.py time ours "$out/seed8_new.json"
+          run seed8_old_$round.log $t python3 scripts/seed_cells.py time ours "$keep/seed8_old.json"
+        TAIL=0 run seed8_new_$round.log $t python3 scripts/seed_cells.py time ours "$keep/seed8_new.json"
       done
-      TAIL=30 run seed8.log 60 python3 scripts/seed_cells.py compare "$out/seed8_new.json" "$out/seed8_old.json" ;;
+      TAIL=30 run seed8.log 60 python3 scripts/seed_cells.py compare "$keep/seed8_new.json" "$keep/seed8_old.json" ;;
     fla8)
-      TAIL=0 run fla8.log $t python3 scripts/seed_cells.py time fla "$out/seed8_fla.json"
-      TAIL=30 run seed8_fla_compare.log 60 python3 scripts/seed_cells.py compare "$out/seed8_new.json" \
-        "$out/seed8_old.json" "$out/seed8_fla.json" ;;
+      TAIL=0 run fla8.log $t python3 scripts/seed_cells.py time fla "$keep/seed8_fla.json"
+      TAIL=30 run seed8_fla_compare.log 60 python3 scripts/seed_cells.py compare "$keep/seed8_new.json" \
+        "$keep/seed8_old.json" "$keep/seed8_fla.json" ;;
     paths)
       run paths.log $t python3 scripts/time_paths.py paths ;;
     bench-*)
       spec=${stage#bench-}; op=${spec%%-*}; grid=${spec#*-}
-      TAIL=40 run "bench_${op}_${grid}.log" $t python3 -m benchmarks.sweep --op "$op" --grid "$grid" --out "$out" ${BENCH_ARGS:-} ;;
+      TAIL=40 run "bench_${op}_${grid}.log" $t python3 -m benchmarks.sweep --op "$op" --grid "$grid" --out "$dest" ${BENCH_ARGS:-} ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
+[ "$dest" = "$keep" ] || cp "$keep"/*.json "$dest"/ 2>/dev/null
+tar czf "$dest/logs_${stages// /_}.tgz" -C "$dest" logs && rm -rf "$out"
 echo "=== done, status $status"
 exit $status

@@ -47,7 +47,7 @@ def cmd_compile(args) -> int:
             shutil.copyfile(compiled.ptx_path, ptx_out)
             shutil.copyfile(compiled.cubin_path, cubin_out)
             ptx = open(ptx_out).read()
-            missing = [p for p in v.required(args.arch) if p not in ptx]
+            missing = v.missing(args.arch, ptx)
             regs = cubin_register_counts(cubin_out)
             reg_text = "/".join(str(r) for r in regs.values()) or "?"
             status = f"ok ({secs:.1f}s)" if not missing else f"MISSING {missing}"

@@ -12,6 +12,8 @@ SM90 = ("sm_90a",)
 ANY = ("sm_90a", "sm_100a")
 WGMMA, TMA_LOAD, REGS_UP = "wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"
 PUBLISH = ("fence.acq_rel.gpu", "atom.global.release.add")   # phase 1 publishing a chunk: release fence, add
+# 16-byte accesses: v4.b32 on sm_90a, v2.b64 on sm_100a ("a|b": either one)
+LD_GLOBAL_16B, LD_SHARED_16B, ST_SHARED_16B = (f"{op}.v4|{op}.v2.b64" for op in ("ld.global", "ld.shared", "st.shared"))
 
 
 @dataclass(frozen=True)
@@ -19,11 +21,15 @@ class Variant:
     op: str
     name: str
     compile: Callable  # (dump_dir) -> runtime.compile.Compiled
-    ptx_must_have: tuple[str, ...] = ()       # substrings, any arch
+    ptx_must_have: tuple[str, ...] = ()       # substrings ("a|b": either), any arch
     archs: tuple[str, ...] = ANY
 
     def required(self, arch: str) -> tuple[str, ...]:
         return (f".target {arch}",) + self.ptx_must_have
+
+    def missing(self, arch: str, ptx: str) -> list[str]:
+        """The required patterns `ptx` lacks."""
+        return [p for p in self.required(arch) if not any(alt in ptx for alt in p.split("|"))]
 
 
 def all_variants(arch: str | None = None) -> list[Variant]:
@@ -58,15 +64,15 @@ def _variants() -> list[Variant]:
                 + ("_pdl" if pdl else ""))
         need = ("fma.rn.f32", "bar.sync") if impl != "tc" else (WGMMA + ".sync.aligned.m64n128k16",
                                                                 "mbarrier.try_wait")
-        need += {"staged": ("ld.shared.v4",), "prefetch": ("ld.shared.v4", "ld.global.v4"),
-                 "regs": ("shfl.sync.bfly", "st.shared.v4"), "tc": ()}[impl]
+        need += {"staged": (LD_SHARED_16B,), "prefetch": (LD_SHARED_16B, LD_GLOBAL_16B),
+                 "regs": ("shfl.sync.bfly", ST_SHARED_16B), "tc": ()}[impl]
         need += ("griddepcontrol.wait", "griddepcontrol.launch_dependents") if pdl else ()
         out.append(Variant("affine_merge", name, lambda d, cfg=cfg: build_affine_merge(cfg, dump_dir=d), need,
                            SM90 if impl == "tc" else ANY))
     for dim, dt in [(128, bf), (128, f16), (128, f32), (64, bf)]:
         out.append(Variant("lse_merge", f"lse_merge_d{dim}_{_dtype_tag(dt)}",
                            lambda d, dim=dim, dt=dt: build_lse_merge(dim, dt, dump_dir=d),
-                           ("ld.global.v4", "ex2.approx")))
+                           (LD_GLOBAL_16B, "ex2.approx")))
     for kda in (False, True):
         op, tag = ("chunk_kda", "kda") if kda else ("chunk_gated_delta_rule", "gdn")
         # fused: forward (initial / final state or not; fp16 with fp32 beta), persistent, summary and output launches

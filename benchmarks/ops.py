@@ -3,7 +3,9 @@
 Each op has
     * ``make_inputs(op, B, H, T, dtype, device)`` -> dict of fresh random tensors,
     * an "ours" callable from ``cute_kernels`` (may be missing: :func:`load_ours` returns None),
-    * a peer callable (:func:`load_peer`): FLA 0.6.0 for kda / gdn, torch SDPA for decode.
+    * a peer callable (:func:`load_peer`): FLA 0.6.0.
+
+(Decode attention has its own sweep, with several peers: `benchmarks/decode.py`.)
 
 Both sides get exactly the same tensors and arguments.  Input choices:
     * q and k are L2-normalised per token outside the kernels (no ``use_qk_l2norm_in_kernel``).
@@ -21,10 +23,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.roofline import GQA_RATIO, HEAD_DIM
+from benchmarks.roofline import HEAD_DIM
 
-OPS = ("kda", "gdn", "decode")
-OURS_ATTR = {"kda": "chunk_kda", "gdn": "chunk_gated_delta_rule", "decode": "decode_attention"}
+OPS = ("kda", "gdn")
+OURS_ATTR = {"kda": "chunk_kda", "gdn": "chunk_gated_delta_rule"}
 GATE_LOWER_BOUND = -5.0
 FLA_VERSION = "0.6.0"
 
@@ -43,13 +45,6 @@ def make_inputs(op: str, B: int, H: int, T: int, dtype: torch.dtype, device) -> 
         g = F.logsigmoid(torch.randn(g_shape, device=device, dtype=torch.float32)).clamp_(min=GATE_LOWER_BOUND)
         beta = torch.sigmoid(torch.randn(B, T, H, device=device, dtype=torch.float32)).to(dtype)
         return {"q": q, "k": k, "v": v, "g": g, "beta": beta}
-    if op == "decode":
-        Hq = GQA_RATIO * H
-        return {
-            "q": torch.randn(B, 1, Hq, D, device=device, dtype=dtype),
-            "k": torch.randn(B, T, H, D, device=device, dtype=dtype),
-            "v": torch.randn(B, T, H, D, device=device, dtype=dtype),
-        }
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -73,12 +68,10 @@ def load_ours(op: str) -> tuple[Callable | None, str]:
 
 
 def call_ours(op: str, fn: Callable, x: dict[str, torch.Tensor]) -> Any:
-    if op in ("kda", "gdn"):
-        return fn(
-            x["q"], x["k"], x["v"], x["g"], x["beta"],
-            scale=None, initial_state=None, output_final_state=True, cu_seqlens=None,
-        )
-    return fn(x["q"], x["k"], x["v"])
+    return fn(
+        x["q"], x["k"], x["v"], x["g"], x["beta"],
+        scale=None, initial_state=None, output_final_state=True, cu_seqlens=None,
+    )
 
 
 def last_plan() -> Any:
@@ -101,15 +94,6 @@ class PeerUnavailable(RuntimeError):
 
 def load_peer(op: str, *, fla_safe_gate: bool = False) -> tuple[str, Callable[[dict], Any]]:
     """(label, callable) of the peer for ``op``; raises PeerUnavailable when FLA is missing."""
-    if op == "decode":
-        def sdpa(x):
-            o = F.scaled_dot_product_attention(
-                x["q"].transpose(1, 2), x["k"].transpose(1, 2), x["v"].transpose(1, 2), enable_gqa=True
-            )
-            return o.transpose(1, 2)  # back to [B, 1, Hq, D] (a view, no copy)
-
-        return f"torch {torch.__version__.split('+')[0]} sdpa", sdpa
-
     try:
         import fla
         if op == "kda":
@@ -142,7 +126,7 @@ def load_peer(op: str, *, fla_safe_gate: bool = False) -> tuple[str, Callable[[d
 
 
 def output_tensors(result: Any) -> list[torch.Tensor | None]:
-    """The output tensors of a call: (o, final_state) for kda / gdn, [o] for decode."""
+    """The output tensors of a call: (o, final_state)."""
     if isinstance(result, torch.Tensor):
         return [result]
     return [t if isinstance(t, torch.Tensor) else None for t in result]

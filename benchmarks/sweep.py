@@ -1,6 +1,6 @@
 """Benchmark sweep: our op vs its peer over a grid of (B, H, T) cells, on one CUDA GPU.
 
-    python -m benchmarks.sweep --op {kda,gdn,decode} --grid {seed,small,large}
+    python -m benchmarks.sweep --op {kda,gdn} --grid {seed,small,large}
         [--out benchmarks/results] [--dtype bf16] [--reps N] [--no-ours] [--limit-cells N]
         [--bw-tbs 4.2] [--tflops 729] [--fla-safe-gate]
 
@@ -9,6 +9,8 @@ same run with ``triton.testing.do_bench`` (or CUDA events when triton is missing
 per call (host clock around N back-to-back calls, one synchronize at the end); a loose correctness
 check of ours vs the peer; the roofline floor.  When one input set is smaller than twice the L2
 cache, the timed callables rotate among several input sets so that the cache does not flatter.
+
+``--op decode`` runs the decode sweep instead (``benchmarks/decode.py``: its own grid, several peers).
 
 Without a CUDA GPU it prints a message and exits with status 2; it never invents numbers.
 """
@@ -243,6 +245,12 @@ def run_cell(op, B, H, T, *, dtype, ours, peer, peer_label, timer, ceilings, l2_
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "decode" in (argv[argv.index("--op") + 1:argv.index("--op") + 2] if "--op" in argv else []) or \
+            "--op=decode" in argv:
+        from benchmarks import decode
+
+        return decode.main(argv)
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print(NO_GPU_MSG, file=sys.stderr)

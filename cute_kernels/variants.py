@@ -44,8 +44,9 @@ def _dtype_tag(t) -> str:
 def _variants() -> list[Variant]:
     import torch
 
-    from .kernels.build import build_affine_merge, build_fused, build_lse_merge, build_prep, build_state_pass
-    from .kernels.configs import FusedConfig, MergeConfig, PrepConfig, StateConfig
+    from .kernels.build import (build_affine_merge, build_decode, build_decode_fixup, build_fused, build_lse_merge,
+                                build_prep, build_state_pass)
+    from .kernels.configs import DecodeConfig, FusedConfig, MergeConfig, PrepConfig, StateConfig
 
     bf, f16, f32 = torch.bfloat16, torch.float16, torch.float32
     out = []
@@ -117,6 +118,22 @@ def _variants() -> list[Variant]:
         out.append(Variant(op, f"{tag}_state_forward_fp16",
                            lambda d, kda=kda: build_state_pass(StateConfig(kda, "forward", True, True, not kda), f16,
                                                                dump_dir=d), (WGMMA, TMA_LOAD), SM90))
+    # split-KV decode: the GQA groups of the benchmark grid, new tokens, paged, softcap, stream-K; the fixup's
+    # own launch on every arch
+    fixup = ("fence.acq_rel.gpu", "atom.global.add")
+    for cfg, io in [(DecodeConfig(group=8), bf), (DecodeConfig(group=4), bf), (DecodeConfig(group=1), f16),
+                    (DecodeConfig(group=8, q_len=4), bf), (DecodeConfig(group=8, paged=True), bf),
+                    (DecodeConfig(group=8, softcap=True), bf), (DecodeConfig(group=4, persistent=True), bf)]:
+        name = (f"decode_g{cfg.group}_q{cfg.q_len}_{_dtype_tag(io)}" + ("_paged" if cfg.paged else "")
+                + ("_softcap" if cfg.softcap else "") + ("_stream_k" if cfg.persistent else ""))
+        need = ("wgmma.mma_async.sync.aligned.m64n16k16", "wgmma.mma_async.sync.aligned.m64n128k16", TMA_LOAD,
+                "shfl.sync.bfly", "ex2.approx") + fixup + (("tanh.approx",) if cfg.softcap else ())
+        out.append(Variant("decode_attention", name, lambda d, c=cfg, io=io: build_decode(c, io, dump_dir=d), need,
+                           SM90))
+    for group, io in [(8, bf), (1, f16)]:
+        out.append(Variant("decode_attention", f"decode_fixup_g{group}_{_dtype_tag(io)}",
+                           lambda d, g=group, io=io: build_decode_fixup(g, io, dump_dir=d), ("ex2.approx", LD_GLOBAL_16B),
+                           ANY))
     from schedulers.probe import probe_variants
 
     return out + probe_variants(Variant)

@@ -5,9 +5,9 @@ The rules, in order (see the README's table):
 2. Aim for `target = SMs x min(CTAs per SM, 2)` CTAs in one wave (2 CTAs per SM hide each other's latencies).
 3. Never cut a segment below `min_chunks` chunks: a sequence shorter than 2 x min_chunks stays whole.
 4. If occupancy allows more than 2 CTAs per SM, add segments up to that wave only while each keeps `min_chunks`.
-5. Fixed-length batches: prefer a segment count within 15% below the first choice that divides the chunk
-   count (uniform segments). Varlen batches: hand out segments one at a time to the sequence whose segments
-   are currently the longest.
+5. Fixed-length batches: prefer a segment count within `divide_slack` (default 15%) below the first choice
+   that divides the chunk count (uniform segments). Varlen batches: hand out segments one at a time to the
+   sequence whose segments are currently the longest.
 All decisions fit in a single wave, so the tile count never spills a near-empty extra wave.
 """
 
@@ -77,7 +77,7 @@ def _summarize(xs: list[int]) -> str:
 
 
 def plan_segments(problem: Problem, sm_count: int, ctas_per_sm: int = 2, min_chunks: int = 4,
-                  max_segments: int | None = None) -> SegmentPlan:
+                  max_segments: int | None = None, divide_slack: float = 0.15) -> SegmentPlan:
     """Pick the segment count of every sequence of `problem` (rules: the module docstring). `sm_count` and
     `ctas_per_sm` are plain numbers, never read from a GPU here."""
     if sm_count < 1 or ctas_per_sm < 1:
@@ -123,7 +123,7 @@ def plan_segments(problem: Problem, sm_count: int, ctas_per_sm: int = 2, min_chu
         if n > cap(c):
             reasons.append(f"capped at {cap(c)}: {c} chunks / min_chunks {min_chunks}")
             n = cap(c)
-        for m in range(n, max(1, int(n * 0.85 + 0.999)) - 1, -1):
+        for m in range(n, max(1, int(n * (1 - divide_slack) + 0.999)) - 1, -1):
             if c % m == 0:
                 if m != n:
                     reasons.append(f"{m} divides {c} chunks: uniform segments, {n - m} fewer")

@@ -133,6 +133,11 @@ G_MERGE = ("tests/test_merge.py@affine_merge_matches_reference or long_chain",) 
 G_SCALE = ("tests/test_gdn_sm90.py@scale_final_state_and_l2norm and 300",)
 G_PREP = ("tests/test_two_phase.py@prep_kernel_matches and 1000",)
 G_TAIL = ("tests/test_gdn_sm90.py@varlen and long-and-short and weak and True",)
+DECODE = "cute_kernels/kernels/sm90/decode.py"
+FIXUP = "cute_kernels/kernels/decode_fixup.py"
+G_DECODE = ("tests/test_decode.py@contiguous_gqa and 32-8",)
+G_DECODE_PAGED = ("tests/test_decode.py@paged and 16",)
+G_DECODE_CAUSAL = ("tests/test_decode.py@multi_token and 4 and False",)
 GPU_MUTANTS = [
     Mutant("carry factor dropped", "state pass (GDN)", STATE, "acc_s[i] = acc_s[i] * dg", "acc_s[i] = acc_s[i]",
            G_STATE, True),
@@ -189,6 +194,18 @@ GPU_MUTANTS = [
            "    if L > C:\n        L = Int32(C)\n    return t0, L", "    L = Int32(C)\n    return t0, L", G_TAIL, True),
     Mutant("last partial chunk's length taken as 64", "fused kernel", FUSED,
            "                L = local.rows_in(tok_end - t0)\n", "                L = Int32(C)\n", G_TAIL, True),
+    # -- decode attention
+    Mutant("fixup counter not reset for the next call", "decode fixup", FIXUP,
+           "            mCounters[unit] = Int32(0)", "            pass", G_DECODE, True),
+    Mutant("split weight dropped in the fixup", "decode fixup", FIXUP, "acc[j] = acc[j] + w * part[j]",
+           "acc[j] = acc[j] + part[j]", G_DECODE, True),
+    Mutant("page table read as contiguous pages", "decode producer", DECODE,
+           "page = mPages[b, t // page_size]", "page = mPages[b, 0] + t // page_size", G_DECODE_PAGED, True),
+    Mutant("new tokens' causal mask off by one", "decode softmax", DECODE,
+           "visible = visible and t <= length - self.q_len + r // self.group",
+           "visible = visible and t < length - self.q_len + r // self.group", G_DECODE_CAUSAL, True),
+    Mutant("last partial block's length taken as 64", "decode split range", DECODE,
+           "        if kv_end > length:\n            kv_end = length\n", "", G_DECODE, True),
 ]
 
 

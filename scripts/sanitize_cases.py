@@ -1,11 +1,12 @@
 """Small calls of every default path, for compute-sanitizer (memcheck, racecheck, synccheck):
 
-    compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py [gdn|kda ...]
+    compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py [gdn|kda|decode ...]
 
 Cases (GDN and KDA, weak gates, bf16): fused; fused with segments (summary launch, affine merge, outputs); two-phase;
 two-phase with a segmented state pass and its merge; the overlapped path with its flags; varlen on both paths. Each
 output is checked against the float64 reference (loose: the point is the sanitizer's report), so a case that
-runs but computes garbage fails too. Exits 1 if any case fails.
+runs but computes garbage fails too. `decode`: split-KV decode attention with its in-kernel fixup (the cross-CTA
+counters), contiguous and paged, both schedulers. Exits 1 if any case fails.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from cute_kernels.ops import linear_attention as la
 from cute_kernels.plan import PlanOptions
 from cute_kernels.reference import chunk_gated_delta_rule_ref
 from schedulers import SegmentScheduler
+from schedulers.splitkv import SplitKVScheduler, StreamKScheduler
 
 DEVICE = "cuda"
 FUSED = PlanOptions("fused")
@@ -61,9 +63,46 @@ def run(op: str, name: str) -> bool:
     return ok
 
 
+# name: (scheduler, page_size or None, kv lengths): several splits per unit, ragged lengths with 0 and 1
+DECODE_CASES = {
+    "split-kv": (SplitKVScheduler(num_splits=3), None, [0, 1, 700, 1500]),
+    "stream-k": (StreamKScheduler(ctas=5), None, [0, 1, 700, 1500]),
+    "paged-split-kv": (SplitKVScheduler(num_splits=3), 16, [0, 1, 700, 1500]),
+    "paged-stream-k": (StreamKScheduler(ctas=7), 64, [0, 1, 700, 1500]),
+}
+
+
+def run_decode(name: str) -> bool:
+    from cute_kernels import decode_attention
+    from cute_kernels.reference import decode_attention_ref
+
+    scheduler, page_size, lens = DECODE_CASES[name]
+    gen = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, D, Tmax = len(lens), 8, 2, 128, max(lens)
+    q = torch.randn(B, Hq, D, generator=gen).bfloat16()
+    table = None
+    if page_size is None:
+        k, v = (torch.randn(B, Tmax, Hkv, D, generator=gen).bfloat16() for _ in range(2))
+    else:
+        pages = -(-Tmax // page_size)
+        table = torch.randperm(2 * B * pages, generator=gen)[: B * pages].view(B, pages).int()
+        k, v = (torch.randn(2 * B * pages, page_size, Hkv, D, generator=gen).bfloat16() for _ in range(2))
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    ref_o, _ = decode_attention_ref(q, k, v, seqlens, table)
+    o = decode_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), seqlens.to(DEVICE),
+                         page_table=None if table is None else table.to(DEVICE), scheduler=scheduler)
+    torch.cuda.synchronize()
+    err = ((o.cpu().double() - ref_o).norm() / ref_o.norm()).item()
+    ok = err < 2e-2
+    print(f"decode {name:17s} rel err o {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
 def main(argv) -> int:
-    ops = argv or ["gdn", "kda"]
-    results = [run(op, name) for op in ops for name in CASES]
+    ops = argv or ["gdn", "kda", "decode"]
+    results = [run(op, name) for op in ops if op != "decode" for name in CASES]
+    if "decode" in ops:
+        results += [run_decode(name) for name in DECODE_CASES]
     return 0 if all(results) else 1
 
 

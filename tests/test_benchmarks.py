@@ -356,3 +356,66 @@ def test_targets_against_the_floors(tmp_path):
     assert "within 1.25x of the memory floor" in text and "B=4 H=8 T=16384" in text
     assert "0.99!" in text          # below the table floor is marked
     assert "3x (T >= 1024): 2 cells, met at 0." in text
+
+
+# --------------------------------------------------------------------------- decode sweep
+
+
+def test_decode_grid_covers_the_issue():
+    from benchmarks import decode
+
+    cells = decode.grid("full")
+    plain = {(c.B, c.Hq, c.Hkv, c.kv_len) for c in cells if not c.page_size and not c.ragged}
+    assert len(plain) == 7 * 6 * 4
+    assert {c.B for c in cells} == {1, 2, 4, 8, 16, 32, 64}
+    assert {c.kv_len for c in cells} == {512, 1024, 4096, 16384, 32768, 131072}
+    assert {(c.Hq, c.Hkv) for c in cells} == {(32, 8), (32, 4), (64, 8), (32, 32)}
+    assert {c.page_size for c in cells} == {0, 16, 64} and any(c.ragged for c in cells)
+    assert len(set(cells)) == len(cells)
+    with pytest.raises(ValueError, match="unknown decode grid"):
+        decode.grid("seed")
+
+
+def test_decode_flashinfer_pages_from_a_page_table():
+    from benchmarks import decode
+
+    table = torch.tensor([[7, 3, 5], [2, 8, 0], [1, 4, 6]], dtype=torch.int32)
+    lens = torch.tensor([40, 16, 0], dtype=torch.int32)                  # 3 pages (8 in the last), 1 full, none
+    indptr, indices, last = decode.flashinfer_pages(table, lens, 16)
+    assert indptr.tolist() == [0, 3, 4, 4]
+    assert indices.tolist() == [7, 3, 5, 2]
+    assert last.tolist() == [8, 16, 0]
+
+
+def test_decode_contiguous_cache_as_pages_is_a_view():
+    from benchmarks import decode
+
+    k = torch.randn(2, 64, 3, 128)
+    k2, _, table = decode.contiguous_as_pages({"k": k, "v": k}, 16)
+    assert k2.data_ptr() == k.data_ptr() and k2.shape == (8, 16, 3, 128)
+    b, t = 1, 37
+    page = table[b, t // 16]
+    assert torch.equal(k2[page, t % 16], k[b, t])
+
+
+def test_decode_report_and_plots(tmp_path):
+    from benchmarks import decode
+
+    rows = []
+    for L, ours, fa4 in [(4096, 8.0, 20.0), (32768, 40.0, 35.0)]:
+        rows.append({"B": 1, "Hq": 32, "Hkv": 8, "kv_len": L, "page_size": 0, "ragged": False, "ours_us": ours,
+                     "peers": {"fa4": fa4}, "peer_errors": {"sdpa": "x"}, "best_peer": "fa4",
+                     "speedup_vs_best": fa4 / ours, "tbps": L * 8 * 512 / (ours * 1e6), "of_copy_bw": 0.5,
+                     "copy_tbps": 3.0})
+    table = decode.format_table(rows)
+    assert "2.50" in table and " !" in table.splitlines()[-1]   # the lost cell is marked
+    paths = decode.write_plots(rows, tmp_path / "decode_test", "test")
+    assert all(p.exists() and p.stat().st_size > 1000 for p in paths)
+
+
+def test_decode_sweep_without_gpu_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sweep", "--op", "decode", "--grid", "quick"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and NO_GPU_MSG in proc.stderr

@@ -125,7 +125,7 @@ def test_auto_segments(builds):
     n = plan.segments[0]
     assert n > 1
     assert fused_modes(builds) == ["summary", "segment_outputs"]
-    assert f"segments per sequence: {n} (all 1)" in la.last_plan()
+    assert f"segments per sequence: {n} (all 1)" in la.explain_last()
     assert rel(s, want_s) < 1e-5 and rel(o, want_o) < 5e-3
     # 4 chunks: two 2-chunk segments cost a summary launch, a merge link and two launches more than they save.
     builds.clear()

@@ -17,6 +17,7 @@ from cute_kernels.reference import (
     attention_ref,
     chunk_gated_delta_rule_ref,
     chunk_summaries,
+    decode_attention_ref,
     lse_merge,
     recurrent_gated_delta_rule,
     segment_summaries,
@@ -402,6 +403,64 @@ def test_attention_ref_matches_sdpa():
         torch.testing.assert_close(o[b], o_b[0].transpose(0, 1), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lse[b], torch.logsumexp(s[b, :, :, :n], -1).T, rtol=1e-12, atol=1e-12)
     assert not o[2].any() and torch.isneginf(lse[2]).all()
+
+
+def test_decode_ref_single_token_is_attention_over_the_cache():
+    """Sq = 1, contiguous cache: attention_ref with kv_lens = cache_seqlens (lengths 0 and 1 included)."""
+    gen = _gen("decode-1")
+    B, Tmax, Hq, Hkv, D = 4, 50, 8, 2, 16
+    q = torch.randn(B, Hq, D, generator=gen, dtype=F64)
+    k = torch.randn(B, Tmax, Hkv, D, generator=gen, dtype=F64)
+    v = torch.randn(B, Tmax, Hkv, D, generator=gen, dtype=F64)
+    lens = torch.tensor([50, 17, 1, 0], dtype=torch.int32)
+    o, lse = decode_attention_ref(q, k, v, lens, scale=0.4)
+    want_o, want_lse = attention_ref(q[:, None], k, v, scale=0.4, kv_lens=lens)
+    torch.testing.assert_close(o, want_o[:, 0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse[:, 0], rtol=1e-12, atol=1e-12)
+    assert not o[3].any() and torch.isneginf(lse[3]).all()
+
+
+def test_decode_ref_paged_equals_contiguous():
+    """The same cache scattered into shuffled pages of 16 tokens, read through the page table."""
+    gen = _gen("decode-paged")
+    B, Tmax, Hq, Hkv, D, page = 3, 64, 4, 4, 8, 16
+    q = torch.randn(B, 2, Hq, D, generator=gen, dtype=F64)
+    k = torch.randn(B, Tmax, Hkv, D, generator=gen, dtype=F64)
+    v = torch.randn(B, Tmax, Hkv, D, generator=gen, dtype=F64)
+    lens = torch.tensor([64, 33, 5], dtype=torch.int32)
+    per_row = Tmax // page
+    order = torch.randperm(B * per_row, generator=gen)
+    table = order.view(B, per_row).to(torch.int32)
+    kp = torch.empty(B * per_row, page, Hkv, D, dtype=F64)
+    vp = torch.empty_like(kp)
+    kp[table.flatten().long()] = k.view(B * per_row, page, Hkv, D)
+    vp[table.flatten().long()] = v.view(B * per_row, page, Hkv, D)
+    o1, lse1 = decode_attention_ref(q, k, v, lens)
+    o2, lse2 = decode_attention_ref(q, kp, vp, lens, page_table=table)
+    torch.testing.assert_close(o2, o1, rtol=0, atol=0)
+    torch.testing.assert_close(lse2, lse1, rtol=0, atol=0)
+
+
+def test_decode_ref_new_tokens_are_causal_and_softcap():
+    """Sq = 3: token i sees the keys up to position L - 3 + i; softcap maps scores through c tanh(s / c)."""
+    gen = _gen("decode-causal")
+    B, Tmax, Hq, Hkv, D, Sq = 2, 20, 2, 1, 8, 3
+    q = torch.randn(B, Sq, Hq, D, generator=gen, dtype=F64)
+    k = torch.randn(B, Tmax, Hkv, D, generator=gen, dtype=F64)
+    v = torch.randn(B, Tmax, Hkv, D, generator=gen, dtype=F64)
+    lens = torch.tensor([20, 2], dtype=torch.int32)
+    o, lse = decode_attention_ref(q, k, v, lens, scale=0.5, softcap=2.0)
+    for b in range(B):
+        for i in range(Sq):
+            n = int(lens[b]) - Sq + i + 1
+            if n <= 0:
+                assert not o[b, i].any() and torch.isneginf(lse[b, i]).all()
+                continue
+            s = 0.5 * torch.einsum("hd,jd->hj", q[b, i], k[b, :n, 0])
+            s = 2.0 * torch.tanh(s / 2.0)
+            p = torch.softmax(s, -1)
+            torch.testing.assert_close(o[b, i], p @ v[b, :n, 0], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(lse[b, i], torch.logsumexp(s, -1), rtol=1e-12, atol=1e-12)
 
 
 def test_lse_merge_edge_cases():

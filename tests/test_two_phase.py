@@ -145,7 +145,7 @@ def test_two_phase_op_wiring(builds, kda, varlen, segments, regime):
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, output_final_state=True,
                                                    cu_seqlens=cut)
     plan = la._last[0]
-    assert segments is None or plan.segments == segments, la.last_plan()
+    assert segments is None or plan.segments == segments, la.explain_last()
     assert [b.terms for b in builds if isinstance(b, PrepConfig)] == ["folded"] and torch.equal(v, v_before)
     modes = [b.mode for b in builds if isinstance(b, StateConfig)]
     assert modes == (["summary", "segment_outputs"] if plan.segments > 1 else ["forward"]), modes
@@ -381,7 +381,7 @@ def test_overlapped_path_matches_reference(kda, B, T, H, with_init, regime, monk
         s = poisoned((B, H, 128, 128), torch.float32, "cuda")
         call(kda, q, k, v, g, beta, initial_state=init, out=(o, s), options=PlanOptions("two_phase",
                                                                                        overlap="always"))
-        assert "overlapped" in la.last_plan(), la.last_plan()
+        assert "overlapped" in la.explain_last(), la.explain_last()
         runs.append((o, s))
     torch.cuda.synchronize()
     (o, s), (o1, s1), (o2, s2) = runs

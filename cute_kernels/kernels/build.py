@@ -9,7 +9,7 @@ import torch
 
 from ..runtime.arch import import_cutlass, target_arch
 from ..runtime.compile import DYN, Compiled, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
-from .configs import FusedConfig, MergeConfig, PrepConfig, StateConfig
+from .configs import DecodeConfig, FusedConfig, MergeConfig, PrepConfig, StateConfig
 
 SM90_ONLY = ("sm_90a",)
 
@@ -173,3 +173,55 @@ def build_lse_merge(head_dim: int, out_dtype: torch.dtype, dump_dir=None) -> Com
         return LseMerge(head_dim, out), args
 
     return compile_kernel(("lse_merge", head_dim, _name(out_dtype)), build, dump_dir=dump_dir)
+
+
+def build_decode(config: DecodeConfig, io_dtype: torch.dtype, dump_dir=None) -> Compiled:
+    """Split-KV decode attention. Its function takes (q, k_cache, v_cache, cache_seqlens, page_table, o, lse,
+    o_part, lse_part, counters, tiles, num_tiles, grid, scale, softcap): q / o [B, Sq, Hq, D], caches 4-D, lse
+    [B, Sq, Hq] fp32, partials [slots, 64, D] / [slots, 64] fp32, counters [units] int32."""
+
+    def build():
+        _sm90("split-KV decode")
+        cutlass = import_cutlass()
+        from .sm90.decode import SplitKVDecodeSm90
+        from schedulers.problem import NUM_TILE_FIELDS
+
+        io, f32, i32, D = cutlass_dtype(io_dtype), cutlass.Float32, cutlass.Int32, config.head_dim
+        four = lambda: fake_tensor(io, (DYN, DYN, DYN, D))   # noqa: E731
+        args = (
+            four(), four(), four(),                                        # q, k_cache, v_cache
+            fake_tensor(i32, (DYN,), align=4),                             # cache_seqlens
+            fake_tensor(i32, (DYN, DYN), align=4),                         # page_table
+            four(),                                                        # o
+            fake_tensor(f32, (DYN, DYN, DYN), align=4),                    # lse
+            fake_tensor(f32, (DYN, 64, D)),                                # o_part
+            fake_tensor(f32, (DYN, 64), align=4),                          # lse_part
+            fake_tensor(i32, (DYN,), align=4),                             # counters
+            fake_tensor(i32, (DYN, NUM_TILE_FIELDS), align=4),
+            i32(1), i32(1), f32(1.0), f32(1.0),
+            fake_stream(),
+        )
+        return SplitKVDecodeSm90(config, io), args
+
+    return compile_kernel(("decode", config, _name(io_dtype)), build, dump_dir=dump_dir)
+
+
+def build_decode_fixup(group: int, out_dtype: torch.dtype, head_dim: int = 128, dump_dir=None) -> Compiled:
+    """The split-KV fixup as its own launch (every arch): (o_part, lse_part, seg_offsets, o, lse)."""
+
+    def build():
+        cutlass = import_cutlass()
+        from .decode_fixup import SplitKVFixup
+
+        f32, i32 = cutlass.Float32, cutlass.Int32
+        args = (
+            fake_tensor(f32, (DYN, 64, head_dim)),
+            fake_tensor(f32, (DYN, 64), align=4),
+            fake_tensor(i32, (DYN,), align=4),
+            fake_tensor(cutlass_dtype(out_dtype), (DYN, DYN, DYN, head_dim)),
+            fake_tensor(f32, (DYN, DYN, DYN), align=4),
+            fake_stream(),
+        )
+        return SplitKVFixup(group, cutlass_dtype(out_dtype)), args
+
+    return compile_kernel(("decode_fixup", group, head_dim, _name(out_dtype)), build, dump_dir=dump_dir)

@@ -124,3 +124,35 @@ def merge_fits(impl: str, k_dim: int, v_dim: int) -> bool:
         return k_dim == 128 and v_dim % block_v == 0
     return (k_dim % 4 == 0 and v_dim % block_v == 0 and (k_dim * block_v) % threads == 0
             and threads % block_v == 0 and (k_dim * k_dim // 4) % threads == 0)
+
+
+DECODE_HEAD_DIMS = (128,)
+DECODE_ROWS = 64   # query rows of one work tile (one wgmma M): group x q_len must fit
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Split-KV decode attention (`SplitKVDecodeSm90`): one split of one (batch row, KV head) unit per work tile.
+
+    group: query heads per KV head (GQA); q_len: new tokens per row, causal among themselves; group x q_len query
+    rows share the unit's K / V reads. paged: the cache is [pages, page_size, Hkv, D] read through a page table
+    (else [B, Tmax, Hkv, D]). softcap: scores pass through c tanh(s / c). persistent: the stream-K table (CTAs
+    loop over their pieces). stages: the K / V ring's depth (32 KB a stage at D = 128)."""
+
+    head_dim: int = 128
+    group: int = 1
+    q_len: int = 1
+    paged: bool = False
+    softcap: bool = False
+    persistent: bool = False
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.head_dim not in DECODE_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {DECODE_HEAD_DIMS}, got {self.head_dim}")
+        if not 1 <= self.q_len <= 8:
+            raise ValueError(f"q_len must be in [1, 8], got {self.q_len}")
+        if self.group < 1 or self.group * self.q_len > DECODE_ROWS:
+            raise ValueError(f"group x q_len must be in [1, {DECODE_ROWS}], got {self.group} x {self.q_len}")
+        if not 2 <= self.stages <= 4:
+            raise ValueError(f"stages must be in [2, 4], got {self.stages}")

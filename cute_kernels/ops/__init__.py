@@ -1,4 +1,6 @@
-from .linear_attention import chunk_gated_delta_rule, chunk_kda, last_plan
+from .decode import decode_attention
+from .last import last_plan
+from .linear_attention import chunk_gated_delta_rule, chunk_kda
 from .merge import affine_merge, lse_merge
 
-__all__ = ["affine_merge", "chunk_gated_delta_rule", "chunk_kda", "last_plan", "lse_merge"]
+__all__ = ["affine_merge", "chunk_gated_delta_rule", "chunk_kda", "decode_attention", "last_plan", "lse_merge"]

@@ -16,6 +16,7 @@ from ..paths.fused import FusedRun
 from ..paths.two_phase import OverlapRun, PrepRun, StateRun, overlap_free, prep_config
 from ..plan import ForwardPlan, PlanOptions, plan_forward
 from ..runtime.arch import device_arch, device_kind, sm_count
+from . import last
 
 IO_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (128,)
@@ -97,7 +98,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 _last: tuple | None = None   # (plan, path, capturing) of the last call
 
 
-def last_plan() -> str | None:
+def explain_last() -> str | None:
     """How the last chunk_gated_delta_rule / chunk_kda call split its work, and why."""
     if _last is None:
         return None
@@ -145,6 +146,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if path == "overlap" and not overlap_free(device):
         path = "two_phase"
     _last = (plan, path, capturing)
+    last.record(explain_last)
     key = (q.dtype, beta.dtype, init, final is not None, device)
     run(plan, path, key).run(q, k, v, g32, beta, scale, initial_state, o, final)
     if not capturing and plan.graph_path != path:

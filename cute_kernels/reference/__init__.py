@@ -9,7 +9,7 @@ from .linear_attention import (
     segmented_gated_delta_rule_ref,
     split_chunks,
 )
-from .softmax_attention import attention_ref, lse_merge, split_kv_partials
+from .softmax_attention import attention_ref, decode_attention_ref, lse_merge, split_kv_partials
 
 __all__ = [
     "recurrent_gated_delta_rule",
@@ -20,6 +20,7 @@ __all__ = [
     "segment_summaries",
     "segmented_gated_delta_rule_ref",
     "attention_ref",
+    "decode_attention_ref",
     "split_kv_partials",
     "lse_merge",
 ]

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["attention_ref", "split_kv_partials", "lse_merge"]
+__all__ = ["attention_ref", "decode_attention_ref", "split_kv_partials", "lse_merge"]
 
 
 def _check_tensor(name: str, x, ndim: int) -> None:
@@ -198,3 +198,56 @@ def lse_merge(
     o = contrib.sum(dim=0) / torch.where(wsum > 0, wsum, torch.ones_like(wsum))[..., None]
     lse = m_safe + wsum.log()  # log(0) = -inf when every split is empty
     return o.to(out_dtype), lse
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens,
+    page_table: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over a KV cache (the spec of `cute_kernels.decode_attention`).
+
+    ``q [B, Hq, D]`` (one new token per row) or ``[B, Sq, Hq, D]`` (Sq new tokens, causal among themselves, the last
+    at position ``cache_seqlens[b] - 1``: token i sees keys ``j <= cache_seqlens[b] - Sq + i``). The cache is
+    contiguous ``[B, Tmax, Hkv, D]``, or paged ``[num_pages, page_size, Hkv, D]`` with ``page_table [B, max_pages]``
+    (row b's token t in page ``page_table[b, t // page_size]``, slot ``t % page_size``). Scores are
+    ``scale q . k`` (``scale`` default ``D**-0.5``), then ``softcap * tanh(s / softcap)`` if ``softcap`` is given.
+    Returns ``(o, lse)`` shaped like q without / with its last dim (lse natural-log); a query with no visible key
+    gives ``o = 0``, ``lse = -inf``.
+    """
+    single = q.ndim == 3
+    qf = (q[:, None] if single else q).to(compute_dtype)
+    B, Sq, Hq, D = qf.shape
+    Hkv = k_cache.shape[2]
+    group = Hq // Hkv
+    scale = D**-0.5 if scale is None else float(scale)
+    lens = [int(x) for x in torch.as_tensor(cache_seqlens).tolist()]
+    o = qf.new_zeros(B, Sq, Hq, v_cache.shape[3])
+    lse = qf.new_full((B, Sq, Hq), float("-inf"))
+    for b in range(B):
+        L = lens[b]
+        if page_table is None:
+            k, v = k_cache[b, :L], v_cache[b, :L]
+        else:
+            pages = page_table[b, : -(-L // k_cache.shape[1])].long().to(k_cache.device)
+            k = k_cache[pages].reshape(-1, Hkv, D)[:L]
+            v = v_cache[pages].reshape(-1, Hkv, v_cache.shape[3])[:L]
+        k = k.to(compute_dtype).repeat_interleave(group, dim=1)   # [L, Hq, D]
+        v = v.to(compute_dtype).repeat_interleave(group, dim=1)
+        s = scale * torch.einsum("ihd,jhd->hij", qf[b], k)       # [Hq, Sq, L]
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        visible = torch.arange(L, device=s.device)[None, :] <= (L - Sq + torch.arange(Sq, device=s.device))[:, None]
+        s = s.masked_fill(~visible[None], float("-inf"))
+        if L == 0:
+            continue
+        m = torch.logsumexp(s, dim=-1)                             # [Hq, Sq], -inf where nothing is visible
+        p = (s - torch.where(torch.isfinite(m), m, torch.zeros_like(m))[..., None]).exp()
+        o[b] = torch.einsum("hij,jhe->ihe", p, v)
+        lse[b] = m.transpose(0, 1)
+    return (o[:, 0], lse[:, 0]) if single else (o, lse)

@@ -1,0 +1,113 @@
+"""The split-KV fixup (every arch): a unit's partials (o normalized within its split, lse) merged into its output.
+
+`merge_unit` is the merge (the math of `reference.softmax_attention.lse_merge`). Inside the decode kernel,
+`is_last_split` picks the CTA that runs it: every split's CTA, once its partial is stored, fences (gpu-scope
+acq_rel) and adds 1 to its unit's counter; the one that sees num_splits - 1 is last, puts the counter back to 0
+for the next call, fences again and merges. No CTA waits on another. `SplitKVFixup` runs the same merge as a
+launch of its own (one CTA per unit): on archs whose decode mainloop is not built, and to time against.
+
+Outputs are viewed per unit (`unit_rows`): unit u = b * Hkv + kv_head, row r = i * group + g for query head
+kv_head * group + g of new token i -- the rows of one work tile.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+THREADS = 128   # the threads that merge: 4 warps, one row per warp at a time, 4 columns per lane
+
+
+def unit_rows(t: cute.Tensor, group: int) -> cute.Tensor:
+    """[B, Sq, Hq, D] (or [B, Sq, Hq]) as ((Hkv, B), (group, Sq)[, D]): mode 0 the unit, mode 1 its rows."""
+    s = t.stride
+    hkv = t.shape[2] // group
+    shape = ((hkv, t.shape[0]), (group, t.shape[1])) + tuple(t.shape[3:])
+    stride = ((group * s[2], s[0]), (s[2], s[1])) + tuple(s[3:])
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+@cute.jit
+def merge_unit(tid, o_part, lse_part, slot0, nsplit, rows, mO, mLse, unit, out_dtype):
+    """Rows [0, rows) of unit `unit`: o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse), lse = max lse +
+    log sum w; a row whose splits are all empty (lse = -inf) gives o = 0, lse = -inf. o_part [slots, R, D] fp32,
+    lse_part [slots, R]; slots slot0 .. slot0 + nsplit - 1. `tid` in [0, THREADS)."""
+    warp = tid // 32
+    lane = tid % 32
+    for r in cutlass.range(warp, rows, THREADS // 32, unroll=1):
+        m = -Float32.inf
+        for s in cutlass.range(nsplit, unroll=1):
+            m = cute.arch.fmax(m, lse_part[slot0 + s, r])
+        acc = cute.make_rmem_tensor((4,), Float32)
+        acc.fill(0.0)
+        wsum = Float32(0.0)
+        if m > -Float32.inf:
+            for s in cutlass.range(nsplit, unroll=1):
+                w = cute.math.exp(lse_part[slot0 + s, r] - m, fastmath=False)
+                wsum = wsum + w
+                part = cute.make_rmem_tensor((4,), Float32)
+                cute.autovec_copy(cute.local_tile(o_part[slot0 + s, r, None], (4,), (lane,)), part)
+                for j in cutlass.range_constexpr(4):
+                    acc[j] = acc[j] + w * part[j]
+            inv = Float32(1.0) / wsum
+            for j in cutlass.range_constexpr(4):
+                acc[j] = acc[j] * inv
+        out = cute.make_rmem_tensor((4,), out_dtype)
+        out.store(acc.load().to(out_dtype))
+        cute.autovec_copy(out, cute.local_tile(mO[unit, r, None], (4,), (lane,)))
+        if lane == 0:
+            lse = m
+            if m > -Float32.inf:
+                lse = m + cute.math.log(wsum, fastmath=False)
+            mLse[unit, r] = lse
+
+
+@cute.jit
+def is_last_split(tid, mCounters, unit, nsplit, sFlag, barrier_id: int):
+    """Whether this CTA finished the unit's last split (see the module docstring). All THREADS threads call it
+    after storing their part of the partial; named barrier `barrier_id` spans them."""
+    cute.arch.fence_acq_rel_gpu()   # this thread's partial stores, before the count
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS)
+    if tid == 0:
+        old = cute.arch.atomic_add(mCounters.iterator + unit, Int32(1), sem="relaxed", scope="gpu")
+        last = Int32(0)
+        if old == nsplit - 1:
+            last = Int32(1)
+            mCounters[unit] = Int32(0)   # every split of this call has counted: ready for the next call
+        cute.arch.fence_acq_rel_gpu()
+        sFlag[0] = last
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS)
+    last = sFlag[0] != 0
+    if last:
+        cute.arch.fence_acq_rel_gpu()   # the other splits' partials, after the count that saw them
+    return last
+
+
+class SplitKVFixup:
+    """The fixup as its own launch: CTA u merges unit u's splits when it has more than one.
+
+    Warp roles: 4 warps, one row per warp at a time (`merge_unit`). No pipelines, no shared memory.
+    Tensors: o_part [slots, R, D] fp32, lse_part [slots, R], seg_offsets [units + 1] int32 (the schedule's),
+    o [B, Sq, Hq, D] (`out_dtype`), lse [B, Sq, Hq] fp32; R = group x Sq rows per unit."""
+
+    def __init__(self, group: int, out_dtype):
+        self.group = group
+        self.out_dtype = out_dtype
+
+    @cute.jit
+    def __call__(self, o_part: cute.Tensor, lse_part: cute.Tensor, seg_offsets: cute.Tensor, o: cute.Tensor,
+                 lse: cute.Tensor, stream):
+        units = (o.shape[2] // self.group) * o.shape[0]
+        self.kernel(o_part, lse_part, seg_offsets, unit_rows(o, self.group), unit_rows(lse, self.group),
+                    self.group * o.shape[1]).launch(grid=[units, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, o_part: cute.Tensor, lse_part: cute.Tensor, seg_offsets: cute.Tensor, mO: cute.Tensor,
+               mLse: cute.Tensor, rows: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        unit, _, _ = cute.arch.block_idx()
+        slot0 = seg_offsets[unit]
+        nsplit = seg_offsets[unit + 1] - slot0
+        if nsplit > 1:
+            merge_unit(tid, o_part, lse_part, slot0, nsplit, rows, mO, mLse, unit, self.out_dtype)

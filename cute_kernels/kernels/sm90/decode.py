@@ -1,0 +1,324 @@
+"""SM90 split-KV decode attention: each work tile reads one split of one (batch row, KV head) unit's KV cache
+(`schedulers.splitkv`) for the unit's group x q_len query rows, and writes the output or a partial that the last
+split merges (`kernels.decode_fixup`). Spec: `reference.softmax_attention.decode_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from schedulers.device import TileScheduler
+
+from ..configs import DECODE_ROWS, DecodeConfig
+from ..decode_fixup import is_last_split, merge_unit, unit_rows
+from . import wgmma_tiles as wt
+
+C = 64        # KV tokens per block: one ring stage
+BOX = 16      # tokens per TMA box: pages are multiples of 16 tokens, so a box never straddles two
+ROWS = DECODE_ROWS
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+class SplitKVDecodeSm90:
+    """Decode attention on Hopper, one split of one unit per work tile (`DecodeConfig`).
+
+    Warp roles (160 threads):
+    - warps 0-3, the consumer warpgroup: the unit's query rows (row r = i * group + g: query head kv_head * group
+      + g of new token i; rows past group x q_len are zero) into shared memory; per KV block S = Q K^T (four
+      64 x 16 x D wgmmas, one per 16-token box), the masks (the split's end, the cache length, causal new
+      tokens), softcap, the online softmax in registers (log2 units; a row's values sit in the 4 lanes of a
+      quad), O += P V (four 64 x D x 16 RS wgmmas, P from registers). At the tile's end: a unit with one split
+      stores o and lse; otherwise o (normalized, fp32) and lse go to the split's slot and the last split to
+      finish merges the unit (`decode_fixup.is_last_split`, `merge_unit`).
+    - warp 4, the producer: per block, K and V as four 16-token TMA boxes each into the next stage. A box's
+      cache row is page * page_size + t % page_size, page = page_table[b, t // page_size] (paged) or b (a
+      contiguous [B, Tmax] cache: page_size = Tmax); boxes past the cache length re-read the last one (masked).
+    Pipeline: `PipelineTmaAsync`, `stages` stages of K and V blocks (64 x D each, as four 16-row swizzled boxes:
+    the S products read one box each as their B operand, the P V products one box each as their K block).
+    Named barrier 1: the consumer warpgroup.
+    """
+
+    def __init__(self, config: DecodeConfig, io_dtype):
+        self.config = config
+        self.io_dtype = io_dtype
+        self.group = config.group
+        self.q_len = config.q_len
+        self.rows = config.group * config.q_len
+        self.head_dim = config.head_dim
+        self.num_stages = config.stages
+        self.num_threads = 160
+        self.tma_bytes = 2 * C * config.head_dim * io_dtype.width // 8
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,              # [B, Sq, Hq, D]
+        k_cache: cute.Tensor,        # [B, Tmax, Hkv, D] or paged [pages, page_size, Hkv, D]
+        v_cache: cute.Tensor,
+        cache_seqlens: cute.Tensor,  # [B] int32
+        page_table: cute.Tensor,     # [B, max_pages] int32 (paged; else any int32 [1, 1])
+        o: cute.Tensor,              # [B, Sq, Hq, D]
+        lse: cute.Tensor,            # [B, Sq, Hq] fp32
+        o_part: cute.Tensor,         # [slots, 64, D] fp32
+        lse_part: cute.Tensor,       # [slots, 64] fp32
+        counters: cute.Tensor,       # [units] int32, 0 between calls
+        tiles: cute.Tensor,          # [num_tiles, NUM_TILE_FIELDS] int32
+        num_tiles: Int32, grid_x: Int32, scale: Float32, softcap: Float32, stream,
+    ):
+        io, D, ns = self.io_dtype, self.head_dim, self.num_stages
+        k_rows = wt.thd(wt.flat(k_cache))    # (row, D, Hkv): row = page * page_size + slot
+        v_rows = wt.thd(wt.flat(v_cache))
+        box = wt.first_stage(wt.smem_layout(BOX, D, io))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_k, tma_k_t = cpasync.make_tiled_tma_atom(op, k_rows, box, (BOX, D))
+        tma_v, tma_v_t = cpasync.make_tiled_tma_atom(op, v_rows, box, (BOX, D))
+
+        @cute.struct
+        class SharedStorage:
+            load_mbar: cute.struct.MemRange[cutlass.Int64, ns * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[io, ROWS * D], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[io, C * D * ns], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[io, C * D * ns], 1024]
+            sFlag: cute.struct.MemRange[Int32, 4]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tma_k, tma_k_t, tma_v, tma_v_t, q, cache_seqlens, page_table, k_cache.shape[1],
+                    unit_rows(o, self.group), unit_rows(lse, self.group), o_part, lse_part, counters, tiles,
+                    num_tiles, scale, softcap).launch(
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=2,
+            preferred_smem_carveout=100)   # a fixed carveout: no device query when compiling
+
+    @cute.kernel
+    def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor, mQ: cute.Tensor,
+               mLens: cute.Tensor, mPages: cute.Tensor, page_size: Int32, mO: cute.Tensor, mLse: cute.Tensor,
+               mOp: cute.Tensor, mLp: cute.Tensor, mCount: cute.Tensor, mTiles: cute.Tensor, num_tiles: Int32,
+               scale: Float32, softcap: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.shared_storage)
+        io, D, ns = self.io_dtype, self.head_dim, self.num_stages
+        load = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.load_mbar.data_ptr(),
+            num_stages=ns,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            tx_count=self.tma_bytes,
+        )
+        sched = TileScheduler.create(mTiles, num_tiles, self.config.persistent)
+        num_kv_heads = mQ.shape[2] // self.group
+        if warp_idx == 4:
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+            self.producer(sched, load, tma_k, mK, tma_v, mV, wt.smem_view(st.sK, io, BOX, D, ns * 4),
+                          wt.smem_view(st.sV, io, BOX, D, ns * 4), mLens, mPages, page_size, num_kv_heads)
+        else:
+            self.consumer(sched, load, tidx, wt.smem_view(st.sQ, io, ROWS, D),
+                          wt.smem_view(st.sK, io, BOX, D, ns * 4), wt.smem_view(st.sV, io, BOX, D, ns * 4, True),
+                          st.sFlag.get_tensor(cute.make_layout(4)), mQ, mLens, mO, mLse, mOp, mLp, mCount,
+                          num_kv_heads, scale, softcap)
+
+    @cute.jit
+    def split_range(self, work, num_kv_heads, mLens):
+        """(unit's batch row, KV head, first token, end token, blocks) of a work tile, clipped to the cache length
+        read on the device (the plan only knew an upper bound)."""
+        unit = work.seq
+        b = unit // num_kv_heads
+        kv_head = unit - b * num_kv_heads
+        kv0 = work.chunk_start * C
+        kv_end = work.chunk_end * C
+        length = mLens[b]
+        if kv_end > length:
+            kv_end = length
+        blocks = Int32(0)
+        if kv_end > kv0:
+            blocks = (kv_end - kv0 + C - 1) // C
+        return b, kv_head, kv0, kv_end, blocks, length
+
+    @cute.jit
+    def producer(self, sched, load, tma_k, mK, tma_v, mV, sK, sV, mLens, mPages, page_size, num_kv_heads):
+        """The load warp: every block of every (non-padding) tile, K and V box by box (see the class docstring)."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        work = sched.initial_work()
+        while work.is_valid:
+            if work.seg_slot >= 0:
+                b, kv_head, kv0, kv_end, blocks, length = self.split_range(work, num_kv_heads, mLens)
+                last_box = ((length - 1) // BOX) * BOX
+                for j in cutlass.range(blocks, unroll=1):
+                    load.producer_acquire(state)
+                    bar = load.producer_get_barrier(state)
+                    for k in cutlass.range_constexpr(C // BOX):
+                        t = kv0 + j * C + k * BOX
+                        if t > last_box:
+                            t = last_box
+                        page = b
+                        if cutlass.const_expr(self.config.paged):
+                            page = mPages[b, t // page_size]
+                        row = page * page_size + t % page_size
+                        for tma, m, s in ((tma_k, mK, sK), (tma_v, mV, sV)):
+                            g_box = cute.local_tile(cute.domain_offset((row, 0), m[None, None, kv_head]),
+                                                    (BOX, self.head_dim), (0, 0))
+                            s_part, g_part = cpasync.tma_partition(
+                                tma, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g_box, 0, 2))
+                            cute.copy(tma, g_part, s_part[(None, state.index * (C // BOX) + k)], tma_bar_ptr=bar)
+                    state.advance()
+            work = sched.advance(work)
+        load.producer_tail(state)
+
+    @cute.jit
+    def load_q(self, wtid, mQ, b, kv_head, sQ):
+        """The unit's query rows into sQ [64 x D] (16-byte vectors; rows past group x q_len zero)."""
+        io, D = self.io_dtype, self.head_dim
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), io, num_bits_per_copy=128)
+        vecs = D // 8
+        tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((128 // vecs, vecs), stride=(vecs, 1)),
+                                        cute.make_layout((1, 8)))
+        thr = tiled.get_slice(wtid)
+        tQ = thr.partition_D(sQ[None, None, 0])
+        crd = thr.partition_D(cute.make_identity_tensor((ROWS, D)))
+        for m in cutlass.range_constexpr(cute.size(tQ, mode=[1])):
+            r, d0 = crd[0, m, 0]
+            frag = cute.make_rmem_tensor_like(tQ[None, m, None])
+            frag.fill(0.0)
+            if r < self.rows:
+                i = r // self.group
+                head = kv_head * self.group + r - i * self.group
+                src = cute.local_tile(mQ[b, i, head, None], (8,), (cute.assume(d0, divby=8) // 8,))
+                cute.autovec_copy(src, cute.make_tensor(frag.iterator, cute.make_layout(8)))
+            cute.copy(tiled, frag, tQ[None, m, None])
+
+    @cute.jit
+    def consumer(self, sched, load, wtid, sQ, sK, sV_mn, sFlag, mQ, mLens, mO, mLse, mOp, mLp, mCount,
+                 num_kv_heads, scale, softcap):
+        """The attention of every tile (see the class docstring). Accumulator values: index i of a 64 x n wgmma
+        fragment is row half (i // 2) % 2 of the thread's two rows (r, r + 8)."""
+        io, D = self.io_dtype, self.head_dim
+        thr_s = wt.make_mma(io, False, False, BOX).get_slice(wtid)
+        thr_o = wt.make_mma_rs(io, True, D).get_slice(wtid)
+        cc_s = thr_s.partition_C(cute.make_identity_tensor((ROWS, BOX)))
+        cc_o = thr_o.partition_C(cute.make_identity_tensor((ROWS, D)))
+        acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, D)), Float32)
+        row_max = cute.make_rmem_tensor((2,), Float32)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        work = sched.initial_work()
+        while work.is_valid:
+            if work.seg_slot >= 0:
+                b, kv_head, kv0, kv_end, blocks, length = self.split_range(work, num_kv_heads, mLens)
+                cute.arch.barrier(barrier_id=1, number_of_threads=128)   # the last tile's products read sQ
+                self.load_q(wtid, mQ, b, kv_head, sQ)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                row_max.fill(-Float32.inf)
+                row_sum.fill(0.0)
+                acc_o.fill(0.0)
+                for j in cutlass.range(blocks, unroll=1):
+                    load.consumer_wait(state)
+                    box0 = state.index * (C // BOX)
+                    acc_s = [cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, BOX)), Float32)
+                             for _ in range(C // BOX)]
+                    for k in cutlass.range_constexpr(C // BOX):
+                        wt.gemm(io, wtid, acc_s[k], sQ[None, None, 0], sK[None, None, box0 + k], False, False, False,
+                                BOX, wait=False)
+                    warpgroup.wait_group(0)
+                    self.online_softmax(acc_s, cc_s, acc_o, row_max, row_sum, kv0 + j * C, kv_end, length, scale,
+                                        softcap)
+                    for k in cutlass.range_constexpr(C // BOX):
+                        wt.gemm_rs(io, wtid, acc_o, wt.acc_to_a(io, acc_s[k]), sV_mn[None, None, box0 + k], True,
+                                   True, D, wait=False)
+                    warpgroup.wait_group(0)
+                    load.consumer_release(state)
+                    state.advance()
+                self.store(work, wtid, acc_o, cc_o, row_max, row_sum, sFlag, mO, mLse, mOp, mLp, mCount)
+            work = sched.advance(work)
+
+    @cute.jit
+    def online_softmax(self, acc_s, cc_s, acc_o, row_max, row_sum, t0, kv_end, length, scale, softcap):
+        """Scores of the block at token t0 -> probabilities in place (log2 units, masked), the running max and the
+        thread's partial row sums updated, O rescaled."""
+        block_max = cute.make_rmem_tensor((2,), Float32)
+        block_max.fill(-Float32.inf)
+        for k in cutlass.range_constexpr(C // BOX):
+            for i in cutlass.range_constexpr(cute.size(acc_s[k])):
+                r, col = cc_s[i]
+                t = t0 + k * BOX + col
+                x = acc_s[k][i]
+                if cutlass.const_expr(self.config.softcap):
+                    x = softcap * cute.math.tanh(x * scale / softcap, fastmath=True) * LOG2E
+                else:
+                    x = x * (scale * LOG2E)
+                visible = t < kv_end
+                if cutlass.const_expr(self.q_len > 1):
+                    # new token i sits at position length - q_len + i and sees the keys up to it
+                    visible = visible and t <= length - self.q_len + r // self.group
+                x = cutlass.select_(visible, x, -Float32.inf)
+                acc_s[k][i] = x
+                h = (i // 2) % 2
+                block_max[h] = cute.arch.fmax(block_max[h], x)
+        corr = cute.make_rmem_tensor((2,), Float32)
+        base = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            mx = block_max[h]
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+            new_max = cute.arch.fmax(row_max[h], mx)
+            base[h] = cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max)   # no visible key yet
+            corr[h] = cute.math.exp2(row_max[h] - base[h], fastmath=True)
+            row_max[h] = new_max
+            row_sum[h] = row_sum[h] * corr[h]
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] * corr[(i // 2) % 2]
+        for k in cutlass.range_constexpr(C // BOX):
+            for i in cutlass.range_constexpr(cute.size(acc_s[k])):
+                h = (i // 2) % 2
+                p = cute.math.exp2(acc_s[k][i] - base[h], fastmath=True)
+                acc_s[k][i] = p
+                row_sum[h] = row_sum[h] + p
+
+    @cute.jit
+    def store(self, work, wtid, acc_o, cc_o, row_max, row_sum, sFlag, mO, mLse, mOp, mLp, mCount):
+        """The tile's o and lse: to the output if the unit has one split, else to the split's slot, and the last
+        split merges the unit."""
+        inv = cute.make_rmem_tensor((2,), Float32)
+        lse = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            total = row_sum[h]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            inv[h] = cutlass.select_(total > 0.0, Float32(1.0) / total, Float32(0.0))
+            lse[h] = -Float32.inf
+            if total > 0.0:
+                lse[h] = (row_max[h] + cute.math.log2(total, fastmath=False)) * LN2
+        unit = work.seq
+        splits = work.num_segments
+        slot = work.seg_slot
+        lane = wtid % 32
+        if splits == 1:
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                r, col = cc_o[i]
+                if r < self.rows:
+                    mO[unit, r, col] = self.io_dtype(acc_o[i] * inv[(i // 2) % 2])
+            if lane % 4 == 0:
+                for h in cutlass.range_constexpr(2):
+                    r, _ = cc_o[2 * h]
+                    if r < self.rows:
+                        mLse[unit, r] = lse[h]
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                r, col = cc_o[i]
+                if r < self.rows:
+                    mOp[slot, r, col] = acc_o[i] * inv[(i // 2) % 2]
+            if lane % 4 == 0:
+                for h in cutlass.range_constexpr(2):
+                    r, _ = cc_o[2 * h]
+                    if r < self.rows:
+                        mLp[slot, r] = lse[h]
+            if is_last_split(wtid, mCount, unit, splits, sFlag, 1):
+                merge_unit(wtid, mOp, mLp, slot - work.segment, splits, self.rows, mO, mLse, unit, self.io_dtype)

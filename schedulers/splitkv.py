@@ -1,0 +1,207 @@
+"""Split-KV plans for decode attention: which CTA reads which KV range of which (batch row, KV head).
+
+A decode problem (`decode_problem`) has one "sequence" per (batch row, KV head) -- unit u = b * Hkv + h -- whose
+length is an upper bound on that row's cache length (the caller's `max_seqlen` or the cache capacity): a plan
+never reads `cache_seqlens`, so it stays valid in a CUDA graph replayed with other lengths; the kernel clips each
+tile to the true length on the device. A chunk is one KV block. A tile is one split of a unit: a contiguous KV
+block range; its partial (o, lse) goes to slot `seg_slot`, and unit u's splits are slots seg_offsets[u] ..
+seg_offsets[u + 1] - 1 (the layout `lse_merge` reads).
+
+- `SplitKVScheduler`: even splits per unit, counts from `plan_segments`' rules with `min_chunks` = the minimum
+  KV slice in blocks and a split count that divides the block count where one is within `divide_slack` (5%).
+- `StreamKScheduler`: persistent CTAs, each an equal contiguous range of the flattened (unit, KV block) space, so
+  a split may end anywhere inside a unit. CTA c's pieces are rows c, c + G, c + 2G, ... of the table (padded with
+  `seg_slot = -1` tiles that do nothing), so the one device scheduler hands them out in persistent mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .heuristics import plan_segments
+from .host import Schedule, schedule_from_segmentation
+from .problem import Problem, Segmentation, WorkTile, ceil_div
+
+MIN_KV = 256            # fewest KV tokens a CTA reads (its loads must hide their latency)
+DIVIDE_SLACK = 0.05     # give up this much of the planned split count for splits that divide evenly
+
+
+def decode_problem(kv_lens: Sequence[int], num_kv_heads: int, block_kv: int = 64) -> Problem:
+    """Units (batch row b, KV head h) -> u = b * num_kv_heads + h, each `kv_lens[b]` tokens (an upper bound) in
+    blocks of `block_kv`; `seq_starts` are cache positions of a contiguous [B, Tmax] cache (row b at b * Tmax)."""
+    lens = [int(n) for n in kv_lens]
+    if num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be >= 1, got {num_kv_heads}")
+    if not lens or min(lens) < 0:
+        raise ValueError(f"kv_lens must be non-empty and >= 0, got {lens[:8]}")
+    t_max = max(lens)
+    return Problem(seq_lens=tuple(n for n in lens for _ in range(num_kv_heads)),
+                   seq_starts=tuple(b * t_max for b, _ in enumerate(lens) for _ in range(num_kv_heads)),
+                   num_heads=1, chunk_size=block_kv)
+
+
+@dataclass
+class DecodePlan:
+    """How a decode problem's KV is split, and why (`explain()`)."""
+
+    scheduler: str
+    units: int
+    blocks_per_unit: list[int]
+    ctas: int
+    splits: list[int]            # per unit
+    uniform: bool                # every unit split the same number of ways, every split the same length
+    reasons: list[str] = field(default_factory=list)
+
+    def explain(self) -> str:
+        total = sum(self.blocks_per_unit)
+        lens = sorted(set(self.splits))
+        split_txt = f"{lens[0]}" if len(lens) == 1 else f"{lens[0]}..{lens[-1]}"
+        lines = [f"{self.scheduler}: {self.units} units (batch rows x KV heads), {total} KV blocks; {self.ctas} CTAs; "
+                 f"splits per unit {split_txt}" + (" (uniform)" if self.uniform else "")]
+        return "\n".join(lines + [f"- {r}" for r in self.reasons])
+
+    def __str__(self) -> str:
+        return self.explain()
+
+
+class SplitKVScheduler:
+    """Even splits per unit (one CTA per split). `num_splits` forces a count (capped by the unit's blocks);
+    None plans it from the occupancy (`plan_segments`), never below `min_kv` tokens per split."""
+
+    name = "split-kv"
+
+    def __init__(self, num_splits: int | None = None, min_kv: int = MIN_KV, divide_slack: float = DIVIDE_SLACK):
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        if min_kv < 1:
+            raise ValueError(f"min_kv must be >= 1, got {min_kv}")
+        self.num_splits, self.min_kv, self.divide_slack = num_splits, min_kv, divide_slack
+
+    def __repr__(self) -> str:
+        return f"SplitKVScheduler(num_splits={self.num_splits}, min_kv={self.min_kv})"
+
+    def schedule(self, problem: Problem, sm_count: int | None = None, ctas_per_sm: int = 2) -> Schedule:
+        chunks = list(problem.chunks)
+        if self.num_splits is not None:
+            seg = Segmentation([_even(c, self.num_splits) for c in chunks])
+            reasons = [f"num_splits={self.num_splits} forced (capped at each unit's block count)"]
+        else:
+            if sm_count is None:
+                raise ValueError("SplitKVScheduler(num_splits=None) needs sm_count to plan the split")
+            min_chunks = ceil_div(self.min_kv, problem.chunk_size)
+            p = plan_segments(problem, sm_count, ctas_per_sm, min_chunks, divide_slack=self.divide_slack)
+            seg = Segmentation([_even(c, n) for c, n in zip(chunks, p.segments)])
+            reasons = p.reasons + [f"min_kv {self.min_kv} tokens = {min_chunks} blocks of {problem.chunk_size}"]
+        schedule = schedule_from_segmentation(problem, seg, self.name)
+        splits = [len(b) - 1 for b in seg.bounds]
+        lengths = {b[i + 1] - b[i] for b in seg.bounds for i in range(len(b) - 1)}
+        schedule.plan = DecodePlan(self.name, problem.num_seqs, chunks, schedule.num_tiles, splits,
+                                   len(set(splits)) == 1 and len(lengths) == 1, reasons)
+        return schedule
+
+
+class StreamKScheduler:
+    """Persistent CTAs over the flattened (unit, KV block) space, each an equal contiguous range.
+
+    CTAs: min(SMs x CTAs per SM, total blocks / min_kv blocks); rounded down to a multiple of the unit count
+    where that gives up at most `divide_slack` of them and every unit has the same length -- then every unit is
+    split the same number of ways at the same points and the fixup is uniform."""
+
+    name = "stream-k"
+
+    def __init__(self, min_kv: int = MIN_KV, divide_slack: float = DIVIDE_SLACK, ctas: int | None = None):
+        if min_kv < 1:
+            raise ValueError(f"min_kv must be >= 1, got {min_kv}")
+        if ctas is not None and ctas < 1:
+            raise ValueError(f"ctas must be >= 1, got {ctas}")
+        self.min_kv, self.divide_slack, self.ctas = min_kv, divide_slack, ctas
+
+    def __repr__(self) -> str:
+        return f"StreamKScheduler(min_kv={self.min_kv}, ctas={self.ctas})"
+
+    def schedule(self, problem: Problem, sm_count: int | None = None, ctas_per_sm: int = 2) -> Schedule:
+        chunks = list(problem.chunks)
+        units = problem.num_seqs
+        total = sum(chunks)
+        min_chunks = ceil_div(self.min_kv, problem.chunk_size)
+        reasons = []
+        if self.ctas is not None:
+            ctas = self.ctas
+            reasons.append(f"ctas={ctas} forced")
+        else:
+            if sm_count is None:
+                raise ValueError("StreamKScheduler(ctas=None) needs sm_count")
+            slots = sm_count * ctas_per_sm
+            ctas = max(1, min(slots, total // min_chunks))
+            reasons.append(f"min({slots} CTA slots = {sm_count} SMs x {ctas_per_sm}, {total} blocks / min_kv "
+                           f"{min_chunks} blocks) = {ctas} CTAs")
+            multiple = (ctas // units) * units
+            if problem.is_uniform and multiple >= units and multiple >= (1 - self.divide_slack) * ctas:
+                if multiple != ctas:
+                    reasons.append(f"{multiple} CTAs: a multiple of the {units} units, so the splits are uniform")
+                ctas = multiple
+        ctas = max(1, min(ctas, max(total, 1)))
+        bounds, pieces = _stream_k_pieces(chunks, ctas)
+        seg = Segmentation(bounds)
+        per_cta = max((len(p) for p in pieces), default=1)
+        C = problem.chunk_size
+        table: list[WorkTile] = []
+        for k in range(per_cta):
+            for c in range(ctas):
+                if k < len(pieces[c]):
+                    u, s = pieces[c][k]
+                    c0, c1 = bounds[u][s], bounds[u][s + 1]
+                    start, length = problem.seq_starts[u], problem.seq_lens[u]
+                    table.append(WorkTile(u, 0, 0, s, len(bounds[u]) - 1, seg.seg_offsets[u] + s, c0, c1,
+                                          start + min(c0 * C, length), start + min(c1 * C, length)))
+                else:
+                    table.append(WorkTile(0, 0, 0, -1, 0, -1, 0, 0, 0, 0))   # padding: nothing to do
+        while table and table[-1].seg_slot == -1:
+            table.pop()
+        splits = [len(b) - 1 for b in bounds]
+        lengths = {b[i + 1] - b[i] for b in bounds for i in range(len(b) - 1)}
+        if per_cta > 1:
+            reasons.append(f"up to {per_cta} pieces per CTA (a range crossing unit boundaries)")
+        plan = DecodePlan(self.name, units, chunks, ctas, splits, len(set(splits)) == 1 and len(lengths) == 1,
+                          reasons)
+        return Schedule(table, (ctas, 1, 1), True, seg, self.name, plan)
+
+
+def _even(num_chunks: int, num_splits: int) -> list[int]:
+    """Bounds of near-equal splits (a unit with no blocks keeps one empty split: o = 0, lse = -inf)."""
+    if num_chunks <= 0:
+        return [0, 0]
+    n = max(1, min(num_splits, num_chunks))
+    return [(i * num_chunks) // n for i in range(n + 1)]
+
+
+def _stream_k_pieces(chunks: list[int], ctas: int) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """Cut the flattened blocks into `ctas` equal contiguous ranges. Returns each unit's split bounds and each
+    CTA's pieces as (unit, split index) in order. Units with no blocks get one empty split, taken by the CTA
+    whose range reaches their position."""
+    total = sum(chunks)
+    cuts = [(c * total) // ctas for c in range(ctas + 1)]
+    bounds: list[list[int]] = []
+    pieces: list[list[tuple[int, int]]] = [[] for _ in range(ctas)]
+    offset = 0
+    cta = 0
+    for u, n in enumerate(chunks):
+        if n == 0:
+            while cta < ctas - 1 and cuts[cta + 1] <= offset:
+                cta += 1
+            bounds.append([0, 0])
+            pieces[cta].append((u, 0))
+            continue
+        b = [0]
+        pos = offset
+        while pos < offset + n:
+            while cuts[cta + 1] <= pos:
+                cta += 1
+            end = min(cuts[cta + 1], offset + n)
+            pieces[cta].append((u, len(b) - 1))
+            b.append(end - offset)
+            pos = end
+        bounds.append(b)
+        offset += n
+    return bounds, pieces

@@ -1,0 +1,213 @@
+"""decode_attention: checks of bad input and the plan (CPU), and agreement with the float64 reference (GPU) over
+contiguous and paged caches, ragged lengths (0 and 1 included), GQA groups, multi-token queries, both schedulers,
+softcap, the fixup's counters and CUDA-graph replay with changed lengths."""
+
+import math
+
+import pytest
+import torch
+from conftest import poisoned, rel_err, requires_sm90
+
+import cute_kernels as ck
+from cute_kernels.ops import decode as dec
+from cute_kernels.reference import decode_attention_ref
+from schedulers.splitkv import SplitKVScheduler, StreamKScheduler
+
+D = 128
+
+
+def cache_inputs(B, Hq, Hkv, lens, *, Sq=None, Tmax=None, page_size=None, dtype=torch.bfloat16, device="cpu",
+                 seed=0):
+    """(q, k_cache, v_cache, cache_seqlens, page_table): random q / K / V; a paged cache gets its pages in a
+    shuffled order with spare pages between, so a wrong page index reads other data."""
+    gen = torch.Generator().manual_seed(seed)
+    q_shape = (B, Hq, D) if Sq is None else (B, Sq, Hq, D)
+    q = torch.randn(q_shape, generator=gen).to(dtype)
+    Tmax = Tmax or max(max(lens), 1)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    if page_size is None:
+        k = torch.randn(B, Tmax, Hkv, D, generator=gen).to(dtype)
+        v = torch.randn(B, Tmax, Hkv, D, generator=gen).to(dtype)
+        table = None
+    else:
+        max_pages = math.ceil(Tmax / page_size)
+        num_pages = 2 * B * max_pages + 3
+        order = torch.randperm(num_pages, generator=gen)[: B * max_pages]
+        table = order.view(B, max_pages).to(torch.int32)
+        k = torch.randn(num_pages, page_size, Hkv, D, generator=gen).to(dtype)
+        v = torch.randn(num_pages, page_size, Hkv, D, generator=gen).to(dtype)
+    moved = [x.to(device) if x is not None else None for x in (q, k, v, seqlens, table)]
+    return tuple(moved)
+
+
+# ---------------------------------------------------------------- CPU: bad input, the plan
+
+
+def test_bad_input_names_the_argument():
+    q, k, v, lens, _ = cache_inputs(2, 8, 2, [5, 9])
+    cases = [
+        ({"q": q.float()}, TypeError, "q must have dtype"),
+        ({"q": q[..., :64].contiguous()}, ValueError, "head dim"),
+        ({"q": torch.randn(2, 9, 8, D).bfloat16()}, ValueError, "at most 8"),
+        ({"k_cache": k.half()}, TypeError, "k_cache must have dtype"),
+        ({"v_cache": v[:, :3]}, ValueError, "v_cache"),
+        ({"q": q[:, :7].contiguous()}, ValueError, "multiple of k_cache"),
+        ({"cache_seqlens": lens.long()}, TypeError, "cache_seqlens must have dtype"),
+        ({"cache_seqlens": lens[:1]}, ValueError, "cache_seqlens"),
+        ({"k_cache": k[:1], "v_cache": v[:1]}, ValueError, r"k_cache must be \[B = 2"),
+        ({"scale": "1"}, TypeError, "scale"),
+        ({"softcap": -1.0}, ValueError, "softcap"),
+        ({"max_seqlen": 10}, ValueError, "max_seqlen"),
+        ({"page_table": torch.zeros(3, 1, dtype=torch.int32)}, ValueError, "page_table"),
+        ({"page_table": torch.zeros(2, 1, dtype=torch.int32)}, ValueError, "page size"),
+    ]
+    base = {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": lens}
+    for change, error, text in cases:
+        args = {**base, **change}
+        extra = {n: args.pop(n) for n in ("page_table", "scale", "softcap", "max_seqlen") if n in args}
+        with pytest.raises(error, match=text):
+            ck.decode_attention(args["q"], args["k_cache"], args["v_cache"], args["cache_seqlens"], **extra)
+
+
+def test_cpu_tensors_are_refused():
+    q, k, v, lens, _ = cache_inputs(2, 8, 2, [5, 9])
+    with pytest.raises(ValueError, match="CUDA"):
+        ck.decode_attention(q, k, v, lens)
+
+
+def test_too_many_query_rows_per_kv_head():
+    q, k, v, lens, _ = cache_inputs(1, 32, 1, [5], Sq=4)   # 32 x 4 rows > 64
+    with pytest.raises(ValueError, match="query rows per KV head"):
+        ck.decode_attention(q, k, v, lens)
+
+
+def test_plan_is_cached_and_planned_from_the_bound():
+    a = dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132)
+    b = dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132)
+    assert a is b
+    schedule, config = a
+    assert config.group == 4 and not config.persistent and not config.paged
+    # 32 units x 64 blocks on 132 SMs x 2: each unit split so there are >= 264 CTAs, each >= 256 tokens
+    splits = schedule.plan.splits
+    assert len(splits) == 32 and len(set(splits)) == 1 and schedule.num_tiles >= 264 - 32
+    assert 4096 // splits[0] >= 256
+    s, c = dec.plan_decode(4, 8, 4, 1, 4096, True, False, 132, StreamKScheduler())
+    assert c.persistent and c.paged and s.grid[0] <= 264
+    with pytest.raises(TypeError, match="scheduler must be"):
+        dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132, scheduler=object())
+
+
+# ---------------------------------------------------------------- GPU: against the float64 reference
+
+
+def check(q, k, v, lens, table=None, *, scale=None, softcap=None, scheduler=None, max_seqlen=None):
+    """One call with poisoned outputs against the reference; a second call must match bitwise; every counter is
+    back at zero."""
+    o = poisoned(q.shape, q.dtype, q.device)
+    lse = poisoned(q.shape[:-1], torch.float32, q.device)
+    got_o, got_lse = ck.decode_attention(q, k, v, lens, page_table=table, scale=scale, softcap=softcap,
+                                         scheduler=scheduler, max_seqlen=max_seqlen, return_lse=True,
+                                         out=(o, lse))
+    assert got_o is o and got_lse is lse
+    ref_o, ref_lse = decode_attention_ref(q.cpu(), k.cpu(), v.cpu(), lens.cpu(),
+                                          None if table is None else table.cpu(), scale, softcap)
+    assert not o.isnan().any(), "unwritten or NaN output"
+    assert rel_err(o, ref_o) < 5e-3, rel_err(o, ref_o)      # relative RMS
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite), "lse is -inf exactly where no key is visible"
+    assert (lse.cpu()[~finite] == float("-inf")).all()
+    if finite.any():
+        assert (lse.cpu()[finite].double() - ref_lse[finite]).abs().max() < 1e-3
+    assert (o.cpu()[~finite] == 0).all(), "rows with no visible key are zero"
+    again = ck.decode_attention(q, k, v, lens, page_table=table, scale=scale, softcap=softcap, scheduler=scheduler,
+                                max_seqlen=max_seqlen, return_lse=True)
+    assert torch.equal(again[0], o) and torch.equal(again[1], lse), "two calls differ"
+    for counts in dec._counters.values():
+        assert int(counts.abs().sum()) == 0, "a fixup counter was left non-zero"
+    return o, lse
+
+
+LENS = [0, 1, 63, 64, 65, 257, 1000, 3001]        # ragged: empty, one token, block and split edges
+
+
+@requires_sm90
+@pytest.mark.parametrize("scheduler", ["split-kv", "stream-k", "one-split"])
+@pytest.mark.parametrize("heads", [(32, 8), (32, 4), (64, 8), (32, 32)], ids=lambda h: f"{h[0]}-{h[1]}")
+def test_contiguous_gqa(heads, scheduler):
+    Hq, Hkv = heads
+    sched = {"split-kv": None, "stream-k": StreamKScheduler(), "one-split": SplitKVScheduler(num_splits=1)}[scheduler]
+    q, k, v, lens, _ = cache_inputs(len(LENS), Hq, Hkv, LENS, device="cuda", seed=Hq + Hkv)
+    check(q, k, v, lens, scheduler=sched)
+
+
+@requires_sm90
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("scheduler", ["split-kv", "stream-k"])
+def test_paged(page_size, scheduler):
+    sched = None if scheduler == "split-kv" else StreamKScheduler(min_kv=64)
+    q, k, v, lens, table = cache_inputs(len(LENS), 32, 8, LENS, page_size=page_size, device="cuda", seed=page_size)
+    check(q, k, v, lens, table, scheduler=sched)
+
+
+@requires_sm90
+@pytest.mark.parametrize("Sq", [1, 4, 8])
+@pytest.mark.parametrize("paged", [False, True])
+def test_multi_token_queries(Sq, paged):
+    lens = [Sq - 1, Sq, 100, 2049]                  # the first row: the first new token sees no key
+    q, k, v, L, table = cache_inputs(4, 16, 2, lens, Sq=Sq, page_size=16 if paged else None, device="cuda",
+                                     seed=Sq)
+    check(q, k, v, L, table, scheduler=SplitKVScheduler(num_splits=3))
+    check(q, k, v, L, table, scheduler=StreamKScheduler(ctas=5))
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dtype_scale_softcap(dtype):
+    q, k, v, lens, _ = cache_inputs(3, 16, 4, [700, 5000, 129], dtype=dtype, device="cuda", seed=7)
+    check(q, k, v, lens, scale=0.3)
+    check(q, k, v, lens, softcap=5.0, scheduler=StreamKScheduler(ctas=7))
+
+
+@requires_sm90
+def test_many_splits_long_cache():
+    # one row, one KV head: the split count is large, and stream-K ranges end mid-unit
+    q, k, v, lens, _ = cache_inputs(1, 8, 1, [65536 + 37], device="cuda", seed=3)
+    check(q, k, v, lens)
+    schedule, _ = dec.plan_decode(1, 1, 8, 1, 65536 + 37, False, False, torch.cuda.get_device_properties(0)
+                                  .multi_processor_count)
+    assert schedule.plan.splits[0] >= 64
+    check(q, k, v, lens, scheduler=StreamKScheduler())
+    assert "stream-k" in ck.last_plan()
+
+
+@requires_sm90
+def test_lengths_below_the_planned_bound():
+    # planned for 4096 tokens per row, run with fewer: splits past a row's length are empty
+    q, k, v, lens, _ = cache_inputs(4, 32, 8, [4096, 10, 0, 1500], device="cuda", seed=11)
+    check(q, k, v, lens, max_seqlen=4096)
+    check(q, k, v, lens, max_seqlen=4096, scheduler=StreamKScheduler())
+
+
+@requires_sm90
+@pytest.mark.parametrize("scheduler", ["split-kv", "stream-k"])
+def test_cuda_graph_replay_with_changed_lengths(scheduler):
+    sched = None if scheduler == "split-kv" else StreamKScheduler()
+    B, Hq, Hkv, Tmax = 4, 32, 8, 4096
+    q, k, v, lens, table = cache_inputs(B, Hq, Hkv, [Tmax] * B, page_size=16, device="cuda", seed=5)
+    o = torch.empty_like(q)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ck.decode_attention(q, k, v, lens, page_table=table, scheduler=sched, max_seqlen=Tmax, out=(o, None))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ck.decode_attention(q, k, v, lens, page_table=table, scheduler=sched, max_seqlen=Tmax, out=(o, None))
+    for new in ([Tmax] * B, [1, 0, 3000, 777], [4000, 4001, 64, 65]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_o, _ = decode_attention_ref(q.cpu(), k.cpu(), v.cpu(), lens.cpu(), table.cpu())
+        assert not o.isnan().any() and rel_err(o, ref_o) < 5e-3, (new, rel_err(o, ref_o))

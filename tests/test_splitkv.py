@@ -1,0 +1,164 @@
+"""Split-KV decode plans (CPU): coverage of every unit's KV blocks, the occupancy rules, stream-K's equal ranges,
+the uniform cases, `explain()`, and the errors."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from schedulers.splitkv import SplitKVScheduler, StreamKScheduler, decode_problem
+
+
+def unit_pieces(problem, schedule):
+    """unit -> its real tiles, sorted by split index; every real tile checked against the problem."""
+    C = problem.chunk_size
+    out = {}
+    for cta, tiles in enumerate(schedule.cta_work()):
+        for t in tiles:
+            if t.seg_slot == -1:   # stream-K padding: no work, no partial
+                assert t.chunk_start == t.chunk_end == 0 and t.num_segments == 0
+                continue
+            assert t.head == 0 and t.block == 0
+            assert t.tok_start == problem.seq_starts[t.seq] + min(t.chunk_start * C, problem.seq_lens[t.seq])
+            assert t.tok_end == problem.seq_starts[t.seq] + min(t.chunk_end * C, problem.seq_lens[t.seq])
+            assert t.seg_slot == schedule.seg_offsets[t.seq] + t.segment
+            out.setdefault(t.seq, []).append((t, cta))
+    return {u: sorted(v, key=lambda x: x[0].segment) for u, v in out.items()}
+
+
+def check_coverage(problem, schedule):
+    pieces = unit_pieces(problem, schedule)
+    assert sorted(pieces) == list(range(problem.num_seqs))
+    for u, tiles in pieces.items():
+        ts = [t for t, _ in tiles]
+        assert [t.segment for t in ts] == list(range(len(ts)))
+        assert all(t.num_segments == len(ts) for t in ts)
+        assert ts[0].chunk_start == 0 and ts[-1].chunk_end == problem.num_chunks(u)
+        for a, z in zip(ts, ts[1:]):
+            assert a.chunk_end == z.chunk_start and z.chunk_end > z.chunk_start
+    return pieces
+
+
+kv_lens = st.lists(st.sampled_from([0, 1, 255, 256, 257, 4096, 32768]) | st.integers(0, 20000), min_size=1,
+                   max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(kv_lens, st.sampled_from([1, 2, 4, 8]), st.sampled_from([16, 64, 128]), st.integers(1, 300))
+def test_every_block_read_once(lens, hkv, block, ctas):
+    problem = decode_problem(lens, hkv, block)
+    for sched in (SplitKVScheduler(), SplitKVScheduler(num_splits=3), StreamKScheduler(),
+                  StreamKScheduler(ctas=ctas)):
+        schedule = sched.schedule(problem, sm_count=132, ctas_per_sm=2)
+        check_coverage(problem, schedule)
+        assert schedule.seg_offsets[-1] == schedule.segmentation.total_segments
+
+
+@settings(max_examples=60, deadline=None)
+@given(kv_lens, st.sampled_from([1, 4, 8]), st.integers(1, 300))
+def test_stream_k_ranges_are_equal_and_contiguous(lens, hkv, ctas):
+    """Each CTA's blocks differ from any other's by at most one, and its pieces are consecutive in the
+    flattened (unit, block) order."""
+    problem = decode_problem(lens, hkv, 64)
+    schedule = StreamKScheduler(ctas=ctas).schedule(problem)
+    total = sum(problem.chunks)
+    starts = [0]
+    for c in problem.chunks:
+        starts.append(starts[-1] + c)
+    loads = []
+    for tiles in schedule.cta_work():
+        real = [t for t in tiles if t.seg_slot != -1 and t.chunk_end > t.chunk_start]
+        loads.append(sum(t.chunk_end - t.chunk_start for t in real))
+        flat = [(starts[t.seq] + t.chunk_start, starts[t.seq] + t.chunk_end) for t in real]
+        for (_, e), (s, _) in zip(flat, flat[1:]):
+            assert e == s
+    assert sum(loads) == total
+    if total >= schedule.grid[0]:
+        assert max(loads) - min(loads) <= 1
+
+
+def test_split_kv_fills_the_gpu_in_min_kv_slices():
+    """B=1, Hkv=8, 4096 tokens, 64-token blocks on 132 SMs x 2: one wave of 264 CTAs would give 33 splits per
+    unit, but a split keeps >= 256 tokens (4 blocks): 16 splits per unit, 128 CTAs, uniform."""
+    problem = decode_problem([4096], 8, 64)
+    schedule = SplitKVScheduler().schedule(problem, sm_count=132, ctas_per_sm=2)
+    plan = schedule.plan
+    assert plan.splits == [16] * 8 and schedule.num_tiles == 128 and plan.uniform
+    assert all(t.chunk_end - t.chunk_start == 4 for t in schedule.tiles)
+    text = plan.explain()
+    assert "8 units" in text and "splits per unit 16 (uniform)" in text and "min_kv 256 tokens = 4 blocks" in text
+
+
+def test_split_kv_leaves_full_batches_whole():
+    problem = decode_problem([4096] * 64, 8, 64)   # 512 units >= 264 slots
+    schedule = SplitKVScheduler().schedule(problem, sm_count=132, ctas_per_sm=2)
+    assert schedule.plan.splits == [1] * 512 and schedule.num_tiles == 512
+
+
+def test_split_kv_prefers_counts_that_divide():
+    """B=1, Hkv=4: one wave wants 66 splits per unit; min_kv caps it at blocks // 4. 128 blocks: 32, which divides.
+    132 blocks: 33, which divides. 130 blocks: 32; within 5% below it (31, 32) none divides 130, so the splits
+    differ by one block."""
+    p = decode_problem([128 * 64], 4, 64)
+    s = SplitKVScheduler().schedule(p, sm_count=132, ctas_per_sm=2)
+    assert s.plan.splits == [32] * 4 and s.plan.uniform
+    p = decode_problem([132 * 64], 4, 64)
+    s = SplitKVScheduler().schedule(p, sm_count=132, ctas_per_sm=2)
+    assert s.plan.splits == [33] * 4 and s.plan.uniform   # cap 33, and 33 divides 132
+    p = decode_problem([130 * 64], 4, 64)
+    s = SplitKVScheduler().schedule(p, sm_count=132, ctas_per_sm=2)
+    assert s.plan.splits == [32] * 4 and not s.plan.uniform   # 31, 32 do not divide 130
+
+
+def test_stream_k_uniform_when_the_ctas_divide():
+    """B=1, Hkv=8, 4096 tokens: 512 blocks / 4 per CTA = 128 CTAs, a multiple of 8 units: each unit 16 splits of
+    4 blocks, one piece per CTA, no padding."""
+    problem = decode_problem([4096], 8, 64)
+    schedule = StreamKScheduler().schedule(problem, sm_count=132, ctas_per_sm=2)
+    assert schedule.grid == (128, 1, 1) and schedule.persistent
+    assert schedule.plan.uniform and schedule.plan.splits == [16] * 8
+    assert schedule.num_tiles == 128 and all(t.seg_slot != -1 for t in schedule.tiles)
+
+
+def test_stream_k_rounds_down_to_a_multiple_of_the_units():
+    """B=2, Hkv=5, 32768 tokens: 10 units x 512 blocks; 264 slots -> 260 CTAs (a multiple of 10, 1.5% fewer):
+    26 splits in every unit (512 / 26 is not whole, so they differ by one block)."""
+    problem = decode_problem([32768, 32768], 5, 64)
+    schedule = StreamKScheduler().schedule(problem, sm_count=132, ctas_per_sm=2)
+    assert schedule.grid[0] == 260 and schedule.plan.splits == [26] * 10 and not schedule.plan.uniform
+    assert "a multiple of the 10 units" in schedule.plan.explain()
+
+
+def test_stream_k_splits_mid_unit_and_pads():
+    """3 units of 10, 3, 7 blocks on 4 CTAs (5 blocks each): CTA 0 takes unit 0's blocks 0-4, CTA 1 its 5-9,
+    CTA 2 unit 1 and unit 2's first two blocks, CTA 3 unit 2's last five. CTA 2 has two pieces, the others one,
+    so its second sits at row 4 + 2 behind two padding rows."""
+    problem = decode_problem([640, 192, 448], 1, 64)
+    schedule = StreamKScheduler(ctas=4).schedule(problem)
+    work = schedule.cta_work()
+    real = [[(t.seq, t.chunk_start, t.chunk_end) for t in tiles if t.seg_slot != -1] for tiles in work]
+    assert real == [[(0, 0, 5)], [(0, 5, 10)], [(1, 0, 3), (2, 0, 2)], [(2, 2, 7)]]
+    assert schedule.plan.splits == [2, 1, 2] and not schedule.plan.uniform
+    assert "up to 2 pieces per CTA" in schedule.plan.explain()
+    assert [t.seg_slot for t in schedule.tiles] == [0, 1, 2, 4, -1, -1, 3]
+
+
+def test_empty_units_keep_one_empty_split():
+    """A unit whose bound is 0 tokens gets one tile with no blocks: it writes o = 0, lse = -inf."""
+    problem = decode_problem([0, 512], 2, 64)
+    for sched in (SplitKVScheduler(), StreamKScheduler()):
+        pieces = check_coverage(problem, sched.schedule(problem, sm_count=132, ctas_per_sm=2))
+        for u in (0, 1):
+            (t, _), = pieces[u]
+            assert t.chunk_start == t.chunk_end == 0 and t.num_segments == 1
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        SplitKVScheduler(num_splits=0)
+    with pytest.raises(ValueError, match="min_kv must be >= 1"):
+        StreamKScheduler(min_kv=0)
+    with pytest.raises(ValueError, match="needs sm_count"):
+        SplitKVScheduler().schedule(decode_problem([64], 1))
+    with pytest.raises(ValueError, match="num_kv_heads must be >= 1"):
+        decode_problem([64], 0)
+    with pytest.raises(ValueError, match="kv_lens must be non-empty and >= 0"):
+        decode_problem([-1], 1)

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Build, check and time on the GPU machine in one call, by stage. From the repo root, after
 # `source .wheelhouse/b/install.sh`:
-#   bash scripts/device_check.sh [tests] [sanitize] [mutations] [compare] [seed8] [fla8] [paths] [bench-OP-GRID] ...
+#   bash scripts/device_check.sh [tests] [decode] [sanitize] [mutations] [compare] [seed8] [fla8] [paths] [bench-OP-GRID] ...
 # Logs go to $OUT/logs_<stages>.tgz (one file: a call brings back at most 8), the seed8 / fla8 JSON to ./device_out (kept
 # on the machine between calls) and a copy into $OUT. Every stage runs under a hard limit (SIGINT first, so a
 # sweep writes the cells it measured), so a hung kernel cannot eat the session.
 #   tests      every GPU test (CI runs the rest); --require-gpu: a GPU test (or FLA) that cannot run fails
 #   sanitize   compute-sanitizer memcheck, racecheck, synccheck over scripts/sanitize_cases.py (every path, small)
-#   mutations  planted kernel bugs, each caught by the GPU tests (scripts/mutations.py --gpu)
+#   decode     the decode-attention GPU tests alone (tests/test_decode.py)
+#   mutations  planted kernel bugs, each caught by the GPU tests (scripts/mutations.py --gpu; $MUTATION_ONLY: --only)
 #   compare    outputs of every path bitwise against the tree in $BASELINE (default .baseline: an older export)
 #   seed8      eight seed cells per op, $BASELINE and this tree alternated, then the comparison (scripts/seed_cells.py)
 #   fla8       the same cells with FLA (then seed8's comparison again, FLA beside)
@@ -42,13 +43,16 @@ for stage in $stages; do
   case "$stage" in
     tests)
       run tests.log $t python3 -m pytest tests -q -p no:cacheprovider --require-gpu -m "gpu and not compile" --tb=short ;;
+    decode)
+      run decode.log $t python3 -m pytest tests/test_decode.py -q -p no:cacheprovider --require-gpu -m gpu --tb=short ;;
     sanitize)
       for tool in memcheck racecheck synccheck; do
         TAIL=20 run "sanitize_$tool.log" $t "$sanitizer" --tool $tool --error-exitcode 99 --target-processes all \
           python3 scripts/sanitize_cases.py
       done ;;
     mutations)
-      TAIL=30 run mutations.log $t python3 scripts/mutations.py --gpu --jobs ${MUTATION_JOBS:-4} --pytest-args=--require-gpu ;;
+      TAIL=30 run mutations.log $t python3 scripts/mutations.py --gpu --jobs ${MUTATION_JOBS:-4} --pytest-args=--require-gpu \
+        ${MUTATION_ONLY:+--only $MUTATION_ONLY} ;;
     compare)
       PYTHONPATH=$PWD/$baseline:$PYTHONPATH CUTE_KERNELS_AOT_DIR=$PWD/.aot_baseline TAIL=3 \
         run compare_save.log $t python3 scripts/compare_builds.py save /tmp/baseline_outputs.pt

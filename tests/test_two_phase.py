@@ -254,7 +254,7 @@ def chunk_last_rows(T, B):
 @requires_sm90
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("B,T,H,with_init", [(1, 64, 1, False), (2, 1000, 3, True), (1, 4096, 4, True)])
-@pytest.mark.parametrize("regime", ["moderate", "zero"])
+@pytest.mark.parametrize("regime", ["moderate", "weak", "zero"])
 def test_state_pass_kernel_matches_reference(kda, B, T, H, with_init, regime):
     """The state pass alone on the torch spec's folded terms (GDN: with per-token factors): NaN-poisoned outputs,
     run-to-run bitwise, float64 reference."""

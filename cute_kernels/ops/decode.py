@@ -133,7 +133,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, sca
                                    scheduler)
     last.record(lambda: schedule.explain())
     if B == 0:
-        return _result(o4, lse3, q, return_lse)
+        return _result(o4, lse3, q, return_lse, out)
     slots = schedule.segmentation.total_segments
     o_part = torch.empty((slots, DECODE_ROWS, D), dtype=torch.float32, device=device)
     lse_part = torch.empty((slots, DECODE_ROWS), dtype=torch.float32, device=device)
@@ -142,7 +142,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, sca
     fn(q4, k_cache, v_cache, cache_seqlens, no_pages, o4, lse3, o_part, lse_part,
        counters(B * Hkv, device), schedule.table_on(device), schedule.num_tiles, schedule.grid[0],
        float(scale) if scale is not None else D ** -0.5, float(softcap) if softcap is not None else 1.0)
-    return _result(o4, lse3, q, return_lse)
+    return _result(o4, lse3, q, return_lse, out)
 
 
 def _outputs(out, q, q4, return_lse):
@@ -163,10 +163,13 @@ def _outputs(out, q, q4, return_lse):
     return (o if o.dim() == 4 else o[:, None]), (lse if lse.dim() == 3 else lse[:, None])
 
 
-def _result(o4, lse3, q, return_lse):
-    o = o4 if q.dim() == 4 else o4[:, 0]
+def _result(o4, lse3, q, return_lse, out):
+    """o (and lse) in q's layout: the user's own tensors when `out` gave them."""
+    o = out[0] if out is not None else (o4 if q.dim() == 4 else o4[:, 0])
     if not return_lse:
         return o
+    if out is not None and out[1] is not None:
+        return o, out[1]
     return o, (lse3 if q.dim() == 4 else lse3[:, 0])
 
 

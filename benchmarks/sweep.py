@@ -72,6 +72,33 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- timing
 
 
+def graph_replay_us(fn, calls: int = 1, replays: int = 7, warmup: int = 2) -> float:
+    """Median GPU time per call of `fn`: `calls` calls captured in one CUDA graph (after `warmup` calls on a side
+    stream, as capture wants), one warm replay, then the median of `replays` timed replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
 class Timer:
     """GPU time (median, us) of a zero-argument callable, and its eager wall time per call."""
 
@@ -109,30 +136,10 @@ class Timer:
         n is sized from the plain GPU time so one replay takes about --rep-ms; median of 5 replays.
         """
         n = max(1, min(GRAPH_MAX_CALLS, int(self.rep_ms * 1e3 / max(gpu_us, 1.0))))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(n):
-                fn()
-        graph.replay()
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / n)
-        del graph
+        us = graph_replay_us(fn, calls=n, replays=5)
         torch.cuda.empty_cache()
-        return statistics.median(times)
+        return us
 
     def eager_us(self, fn, gpu_us: float) -> tuple[float, int]:
         """Host time per call over n back-to-back calls (n from --reps and a time budget)."""

@@ -26,32 +26,6 @@ OPS = ("gdn", "kda")
 TOLERANCE = 0.03
 
 
-def graph_us(fn, calls: int, replays: int = 7) -> float:
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return sorted(times)[len(times) // 2]
-
-
 def eager_us(fn, calls: int) -> float:
     import torch
 
@@ -82,6 +56,8 @@ def time_cells(impl: str, path: str) -> int:
     import torch
     import torch.nn.functional as F
 
+    from benchmarks.sweep import graph_replay_us
+
     rows = json.load(open(path)) if os.path.exists(path) else {}
     rows.setdefault("device", torch.cuda.get_device_name())
     for op in OPS:
@@ -109,7 +85,7 @@ def time_cells(impl: str, path: str) -> int:
                 torch.cuda.synchronize()
                 rough = (time.perf_counter() - t0) * 1e6
                 calls = max(1, min(50, int(20000 / max(rough, 1.0))))
-                gpu = graph_us(call, calls)
+                gpu = graph_replay_us(call, calls=calls)
                 eager = eager_us(call, max(3, calls))
             key = f"{op} {B} {H} {T}"
             old = rows.get(key)

@@ -18,29 +18,14 @@ import time
 
 import torch
 
+from benchmarks.sweep import graph_replay_us
+
 CELLS = "1,4,1024;1,4,16384;1,16,4096;2,16,8192;16,64,4096"
 
 
-def graph_us(fn, warmup: int = 3, reps: int = 20) -> float:
-    """Median GPU time of `fn` per call, from replays of a CUDA graph of it (no host launch gaps)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+def graph_us(fn) -> float:
+    """Median GPU time of one call of `fn`, from 20 replays of a CUDA graph of it (no host launch gaps)."""
+    return graph_replay_us(fn, calls=1, replays=20, warmup=3)
 
 
 def eager_us(fn, reps: int = 20) -> float:

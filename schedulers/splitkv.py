@@ -79,7 +79,7 @@ class SplitKVScheduler:
         self.num_splits, self.min_kv, self.divide_slack = num_splits, min_kv, divide_slack
 
     def __repr__(self) -> str:
-        return f"SplitKVScheduler(num_splits={self.num_splits}, min_kv={self.min_kv})"
+        return f"SplitKVScheduler(num_splits={self.num_splits}, min_kv={self.min_kv}, divide_slack={self.divide_slack})"
 
     def schedule(self, problem: Problem, sm_count: int | None = None, ctas_per_sm: int = 2) -> Schedule:
         chunks = list(problem.chunks)
@@ -118,7 +118,7 @@ class StreamKScheduler:
         self.min_kv, self.divide_slack, self.ctas = min_kv, divide_slack, ctas
 
     def __repr__(self) -> str:
-        return f"StreamKScheduler(min_kv={self.min_kv}, ctas={self.ctas})"
+        return f"StreamKScheduler(min_kv={self.min_kv}, divide_slack={self.divide_slack}, ctas={self.ctas})"
 
     def schedule(self, problem: Problem, sm_count: int | None = None, ctas_per_sm: int = 2) -> Schedule:
         chunks = list(problem.chunks)

@@ -93,6 +93,9 @@ def test_plan_is_cached_and_planned_from_the_bound():
     assert 4096 // splits[0] >= 256
     s, c = dec.plan_decode(4, 8, 4, 1, 4096, True, False, 132, StreamKScheduler())
     assert c.persistent and c.paged and s.grid[0] <= 264
+    # every field of the scheduler is in the cache key
+    loose = dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132, SplitKVScheduler(divide_slack=0.5))
+    assert loose is not dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132, SplitKVScheduler(divide_slack=0.0))
     with pytest.raises(TypeError, match="scheduler must be"):
         dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132, scheduler=object())
 

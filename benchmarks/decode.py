@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.ops import max_rel_err
+
 D = 128
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 KV_LENS = (512, 1024, 4096, 16384, 32768, 131072)
@@ -184,12 +186,6 @@ PEER_LOADERS = {"sdpa": peer_sdpa, "fa4": peer_fa4, "flashinfer": peer_flashinfe
 # --------------------------------------------------------------------------- one cell
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float().reshape(b.shape), b.float()
-    err = (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
-    return err if math.isfinite(err) else float("inf")
-
-
 def time_both(timer, fn) -> tuple[float, float, str | None]:
     """(CUDA-graph us, eager us, graph error): the graph time falls back to the plain GPU time if capture fails."""
     gpu = timer.gpu_us(fn)
@@ -225,7 +221,7 @@ def run_cell(cell: DecodeCell, ours_call, peers: dict, timer, copy_tbps: float) 
             out = fn()
             torch.cuda.synchronize()
             if ref is not None:
-                row["rel_err"][name] = rel_err(out, ref)
+                row["rel_err"][name] = max_rel_err(out, ref)
             del out
             us, eager, err = time_both(timer, fn)
             row["peers"][name], row["peers_eager"][name] = us, eager

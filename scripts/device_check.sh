@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Build, check and time on the GPU machine in one call, by stage. From the repo root, after
 # `source .wheelhouse/b/install.sh`:
-#   bash scripts/device_check.sh [tests] [decode] [sanitize] [mutations] [compare] [seed8] [fla8] [paths] [bench-OP-GRID] ...
+#   bash scripts/device_check.sh [tests] [decode] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [bench-OP-GRID] ...
 # Logs go to $OUT/logs_<stages>.tgz (one file: a call brings back at most 8), the seed8 / fla8 JSON to ./device_out (kept
 # on the machine between calls) and a copy into $OUT. Every stage runs under a hard limit (SIGINT first, so a
 # sweep writes the cells it measured), so a hung kernel cannot eat the session.
 #   tests      every GPU test (CI runs the rest); --require-gpu: a GPU test (or FLA) that cannot run fails
-#   sanitize   compute-sanitizer memcheck, racecheck, synccheck over scripts/sanitize_cases.py (every path, small)
+#   sanitize   compute-sanitizer memcheck, racecheck, synccheck over scripts/sanitize_cases.py (every path, small), one
+#              run per tool and op ($SANITIZE_TOOLS, $SANITIZE_OPS: subsets of "memcheck racecheck synccheck", "gdn kda decode")
+#   probe      racecheck over scripts/racecheck_probe.py: which synchronization patterns the tool models
 #   decode     the decode-attention GPU tests alone (tests/test_decode.py)
 #   mutations  planted kernel bugs, each caught by the GPU tests (scripts/mutations.py --gpu; $MUTATION_ONLY: --only)
 #   compare    outputs of every path bitwise against the tree in $BASELINE (default .baseline: an older export)
@@ -46,10 +48,15 @@ for stage in $stages; do
     decode)
       run decode.log $t python3 -m pytest tests/test_decode.py -q -p no:cacheprovider --require-gpu -m gpu --tb=short ;;
     sanitize)
-      for tool in memcheck racecheck synccheck; do
-        TAIL=20 run "sanitize_$tool.log" $t "$sanitizer" --tool $tool --error-exitcode 99 --target-processes all \
-          python3 scripts/sanitize_cases.py
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+        for op in ${SANITIZE_OPS:-gdn kda decode}; do
+          TAIL=20 run "sanitize_${tool}_$op.log" $t "$sanitizer" --tool $tool --error-exitcode 99 \
+            --target-processes all python3 scripts/sanitize_cases.py $op
+        done
       done ;;
+    probe)
+      TAIL=40 run racecheck_probe.log $t "$sanitizer" --tool racecheck --error-exitcode 99 --target-processes all \
+        python3 scripts/racecheck_probe.py ;;
     mutations)
       TAIL=30 run mutations.log $t python3 scripts/mutations.py --gpu --jobs ${MUTATION_JOBS:-4} --pytest-args=--require-gpu \
         ${MUTATION_ONLY:+--only $MUTATION_ONLY} ;;

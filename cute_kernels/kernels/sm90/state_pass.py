@@ -39,11 +39,13 @@ class ChunkStatePassSm90:
     Warp roles (256 threads, 2 warpgroups):
     - warpgroup 0, warp 0: producer (registers lowered). TMA of the qg, w, kg, u, aqk tiles of one chunk into a
       2-stage ring, and the chunk's exp(G_last) into the stage's eg slot: loaded before waiting for a free stage,
-      stored, and only then the arrive (a release), so the consumer's acquiring wait covers it.
+      stored, and only then the arrive (a release), so the consumer's acquiring wait covers it. Every lane
+      arrives (full barrier count 32, lane 0 also sets the TMA byte count), so each lane's own stores are released
+      by its own arrive; likewise every consumer thread arrives on the empty barrier (count 128) after its reads.
     - warpgroup 1: consumer (registers raised). Holds S^T [64 x 128] in wgmma accumulators for the whole tile (RS
       wgmma, nothing of the chain in shared memory): v_new^T = u^T - S^T w^T and o^T = S^T qg^T (one commit), then
       o^T += v_new^T Aqk^T and S^T <- S^T diag(exp(G_last)) + v_new^T kg (one commit); o^T is stored meanwhile.
-    Pipeline: `PipelineTmaAsync` ring of 2 stages (producer = 1 thread, consumer = 4 warps).
+    Pipeline: `PipelineTmaAsync` ring of 2 stages (producer = the 32 lanes of warp 0, consumer = 128 threads).
 
     Config (`StateConfig`):
     - mode: `forward` (start from initial_state[seq] or 0; final_state[seq] after the last segment if
@@ -148,8 +150,9 @@ class ChunkStatePassSm90:
         load = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.load_mbar.data_ptr(),
             num_stages=ns,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            # every producer lane and every consumer thread arrives: each releases its own eg stores / reads
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
             tx_count=self.tma_bytes,
         )
         if cutlass.const_expr(self.pdl):
@@ -233,9 +236,10 @@ class ChunkStatePassSm90:
                     load.sync_object_empty.wait(state.index, state.phase)
                     for j in cutlass.range_constexpr(per_lane):
                         sEg[lane + 32 * j, state.index] = d[j]
-                cute.arch.sync_warp()
-                load.sync_object_full.arrive(state.index, load.producer_mask)
                 bar = load.producer_get_barrier(state)
+                if lane == 0:
+                    cute.arch.mbarrier_expect_tx(bar, self.tma_bytes)
+                cute.arch.mbarrier_arrive(bar)   # all 32 lanes (the barrier's count), each after its own stores
                 for tma, m, s, cols, by_block in loads:
                     col_tile = blk if by_block else 0
                     g_head = cute.domain_offset((tok0 + c * C, 0), m[None, None, head])
@@ -382,7 +386,7 @@ class ChunkStatePassSm90:
                     warpgroup.wait_group(1)
                     self.store_o_t(acc_o, cc_t, mO, head, t0, v0, L)
                 warpgroup.wait_group(0)
-                load.consumer_release(state)
+                load.sync_object_empty.arrive(state.index, None)   # every thread, after its own sEg / sU reads
                 state.advance()
             self.store_end_state(work, head, v0, is_m, acc_s, cc_s, mSN)
             work = sched.advance(work)

@@ -8,6 +8,9 @@ racecheck report then says which hand-offs it sees as synchronized. Patterns:
   named_barrier      384 threads, warpgroup 0 exits, warpgroups 1 and 2 trade tiles through `bar.sync 1, 256`
                      (the fused and prep kernels' consumer barrier), both ways, over several rounds
   named_barrier_regs the same with `setmaxnreg` (down 40 in warpgroup 0, up 232 in the consumers)
+  named_barrier_sub  named_barrier, each round opened by warps 4 and 5 joining through `bar.sync 4, 64` (how the
+                     GDN gate scan joined its two warps until it moved to shuffles: racecheck then reported the
+                     consumers' `bar.sync 1, 256` hand-offs as races)
   elected_arrive     a producer warp's 32 lanes store, `__syncwarp`, one elected lane arrives on a `full` mbarrier
                      (count 1); a consumer warpgroup waits, reads, and one lane per warp arrives on `empty`
                      (count 4); the producer waits on it and stores again (a TMA ring's slot written by threads)
@@ -34,6 +37,7 @@ def build(pattern: str):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         smem = cutlass.memory.SmemAllocator()
         buf = smem.allocate_tensor(Float32, cute.make_layout(N), 16)
+        scan = smem.allocate_tensor(Float32, cute.make_layout(2), 16)
         full = smem.allocate_array(cutlass.Int64, 1)
         empty = smem.allocate_array(cutlass.Int64, 1)
         if tidx == 0:
@@ -51,6 +55,13 @@ def build(pattern: str):
                     cute.arch.setmaxregister_increase(232)
                 i = tidx % 128
                 for r in cutlass.range(ROUNDS, unroll=1):
+                    if cutlass.const_expr(pattern == "named_barrier_sub"):
+                        # warps 4 and 5 first join through a 64-thread barrier of their own (the old GDN gate scan)
+                        if tidx < 192:
+                            if tidx % 32 == 31:
+                                scan[tidx // 32 - 4] = Float32(r)
+                            cute.arch.barrier(barrier_id=4, number_of_threads=64)
+                            out[ROUNDS, tidx - 128] = scan[0] + scan[1]
                     writer = 1 + r % 2   # the warpgroups take turns writing
                     if wg == writer:
                         buf[(i + 37 * r) % N] = Float32(r * 1000) + Float32(i)
@@ -107,7 +118,7 @@ def expected(pattern: str):
     return want
 
 
-PATTERNS = ("named_barrier", "named_barrier_regs", "elected_arrive", "every_lane_arrive")
+PATTERNS = ("named_barrier", "named_barrier_regs", "named_barrier_sub", "elected_arrive", "every_lane_arrive")
 
 
 def main(argv) -> int:
@@ -126,15 +137,18 @@ def main(argv) -> int:
             import cutlass
             from cutlass.cute.runtime import make_fake_tensor
 
-            cute.compile(launch, make_fake_tensor(cutlass.Float32, (ROUNDS, N), stride=(N, 1)))
+            cute.compile(launch, make_fake_tensor(cutlass.Float32, (ROUNDS + 1, N), stride=(N, 1)))
             print(f"{pattern:20s} compiled")
             continue
-        out = torch.full((ROUNDS, N), float("nan"), device="cuda")
+        out = torch.full((ROUNDS + 1, N), float("nan"), device="cuda")
         compiled = cute.compile(launch, from_dlpack(out))
         compiled(from_dlpack(out))
         torch.cuda.synchronize()
-        ok = torch.equal(out.cpu(), expected(pattern)) if pattern.startswith("named") else \
-            torch.equal(out.cpu()[0], expected(pattern)[0])
+        got = out.cpu()
+        ok = torch.equal(got[:ROUNDS], expected(pattern)) if pattern.startswith("named") else \
+            torch.equal(got[0], expected(pattern)[0])
+        if pattern == "named_barrier_sub":   # the last round's scan join: 2 * (ROUNDS - 1) in 64 columns
+            ok = ok and bool((got[ROUNDS, :64] == 2 * (ROUNDS - 1)).all())
         bad += not ok
         print(f"{pattern:20s} {'ok' if ok else 'WRONG VALUES'}", flush=True)
     return 1 if bad else 0

@@ -16,7 +16,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-THREADS = 128   # the threads that merge: 4 warps, one row per warp at a time, 4 columns per lane
+THREADS = 128   # the threads that merge
+COLS = 8        # output columns per thread and row (two 16-byte loads of a partial's row piece)
 
 
 def unit_rows(t: cute.Tensor, group: int) -> cute.Tensor:
@@ -32,34 +33,40 @@ def unit_rows(t: cute.Tensor, group: int) -> cute.Tensor:
 def merge_unit(tid, o_part, lse_part, slot0, nsplit, rows, mO, mLse, unit, out_dtype):
     """Rows [0, rows) of unit `unit`: o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse), lse = max lse +
     log sum w; a row whose splits are all empty (lse = -inf) gives o = 0, lse = -inf. o_part [slots, R, D] fp32,
-    lse_part [slots, R]; slots slot0 .. slot0 + nsplit - 1. `tid` in [0, THREADS)."""
-    warp = tid // 32
-    lane = tid % 32
-    for r in cutlass.range(warp, rows, THREADS // 32, unroll=1):
+    lse_part [slots, R]; slots slot0 .. slot0 + nsplit - 1. `tid` in [0, THREADS).
+
+    Each thread owns (row, COLS columns) pieces and reads the splits in one pass, keeping a running max (the sums
+    rescaled when it grows): the splits' loads are independent, so an unrolled loop keeps several in flight."""
+    pieces = o_part.shape[2] // COLS
+    for item in cutlass.range(tid, rows * pieces, THREADS, unroll=1):
+        r = item // pieces
+        piece = item % pieces
         m = -Float32.inf
-        for s in cutlass.range(nsplit, unroll=1):
-            m = cute.arch.fmax(m, lse_part[slot0 + s, r])
-        acc = cute.make_rmem_tensor((4,), Float32)
-        acc.fill(0.0)
         wsum = Float32(0.0)
+        acc = cute.make_rmem_tensor((COLS,), Float32)
+        acc.fill(0.0)
+        for s in cutlass.range(nsplit, unroll=4):
+            part = cute.make_rmem_tensor((COLS,), Float32)
+            cute.autovec_copy(cute.local_tile(o_part[slot0 + s, r, None], (COLS,), (piece,)), part)
+            lse_s = lse_part[slot0 + s, r]
+            m_new = cute.arch.fmax(m, lse_s)
+            # both -inf (no key yet): keep the sums (c = 1) and add nothing (w = 0); never exp(-inf + inf)
+            c = cutlass.select_(m == m_new, Float32(1.0), cute.math.exp(m - m_new, fastmath=False))
+            w = cutlass.select_(lse_s == -Float32.inf, Float32(0.0), cute.math.exp(lse_s - m_new, fastmath=False))
+            wsum = wsum * c + w
+            for j in cutlass.range_constexpr(COLS):
+                acc[j] = acc[j] * c + w * part[j]
+            m = m_new
+        lse = m
         if m > -Float32.inf:
-            for s in cutlass.range(nsplit, unroll=1):
-                w = cute.math.exp(lse_part[slot0 + s, r] - m, fastmath=False)
-                wsum = wsum + w
-                part = cute.make_rmem_tensor((4,), Float32)
-                cute.autovec_copy(cute.local_tile(o_part[slot0 + s, r, None], (4,), (lane,)), part)
-                for j in cutlass.range_constexpr(4):
-                    acc[j] = acc[j] + w * part[j]
             inv = Float32(1.0) / wsum
-            for j in cutlass.range_constexpr(4):
+            for j in cutlass.range_constexpr(COLS):
                 acc[j] = acc[j] * inv
-        out = cute.make_rmem_tensor((4,), out_dtype)
+            lse = m + cute.math.log(wsum, fastmath=False)
+        out = cute.make_rmem_tensor((COLS,), out_dtype)
         out.store(acc.load().to(out_dtype))
-        cute.autovec_copy(out, cute.local_tile(mO[unit, r, None], (4,), (lane,)))
-        if lane == 0:
-            lse = m
-            if m > -Float32.inf:
-                lse = m + cute.math.log(wsum, fastmath=False)
+        cute.autovec_copy(out, cute.local_tile(mO[unit, r, None], (COLS,), (piece,)))
+        if piece == 0:
             mLse[unit, r] = lse
 
 
@@ -87,7 +94,8 @@ def is_last_split(tid, mCounters, unit, nsplit, sFlag, barrier_id: int):
 class SplitKVFixup:
     """The fixup as its own launch: CTA u merges unit u's splits when it has more than one.
 
-    Warp roles: 4 warps, one row per warp at a time (`merge_unit`). No pipelines, no shared memory.
+    Warp roles: 4 warps, each thread a (row, 8 columns) piece at a time (`merge_unit`). No pipelines, no shared
+    memory.
     Tensors: o_part [slots, R, D] fp32, lse_part [slots, R], seg_offsets [units + 1] int32 (the schedule's),
     o [B, Sq, Hq, D] (`out_dtype`), lse [B, Sq, Hq] fp32; R = group x Sq rows per unit."""
 

@@ -132,34 +132,46 @@ class ChunkLocalSm90:
 
     @cute.jit
     def gate_rows(self, ctid, t, tok_end, head, mG, mBeta):
-        """The raw gate row of token t + ctid for the 64 threads that hold one (0 past the sequence end):
-        (g, beta) for GDN; KDA's g is 0 here (it goes through `kda_g_prefetch`)."""
+        """The raw gate rows of token t + ctid for the 64 threads that hold one (0 past the sequence end):
+        (g, g of the row 32 away (ctid ^ 32: the other warp's, for `gdn_gates`' scan), beta); KDA's g values are 0
+        here (they go through `kda_g_prefetch`)."""
         gv = Float32(0.0)
+        gw = Float32(0.0)
         bv = Float32(0.0)
         if ctid < C:
             if t + ctid < tok_end:
                 if cutlass.const_expr(not self.kda):
                     gv = Float32(mG[t + ctid, head])
                 bv = Float32(mBeta[t + ctid, head])
-        return gv, bv
+            if cutlass.const_expr(not self.kda):
+                if t + (ctid ^ 32) < tok_end:
+                    gw = Float32(mG[t + (ctid ^ 32), head])
+        return gv, gw, bv
 
     @cute.jit
-    def gdn_gates(self, ctid, L, gv, bv, sG, sEG, sEGL, sBeta, sScan):
-        """G_r (log2 units), 2^G_r, 2^(G_last - G_r) and beta_r (both 0 past the end; g = 0 there, so G_63 = G_last)."""
+    def gdn_gates(self, ctid, L, gv, gw, bv, sG, sEG, sEGL, sBeta):
+        """G_r (log2 units), 2^G_r, 2^(G_last - G_r) and beta_r (both 0 past the end; g = 0 there, so G_63 = G_last).
+        Each of the two warps scans its own 32 rows and, with the same shuffles, the other warp's (`gw`), so both
+        hold both halves' totals bit for bit and no barrier or shared memory joins them."""
         if ctid < C:
             lane = ctid % 32
-            x = gv * LOG2E
+            x = gv * LOG2E   # this warp's rows
+            y = gw * LOG2E   # the other warp's rows
             for off in cutlass.range_constexpr(5):
-                y = cute.arch.shuffle_sync_up(x, 1 << off)
+                xs = cute.arch.shuffle_sync_up(x, 1 << off)
+                ys = cute.arch.shuffle_sync_up(y, 1 << off)
                 if lane >= (1 << off):
-                    x = x + y
-            if lane == 31:
-                sScan[ctid // 32] = x
-            cute.arch.barrier(barrier_id=4, number_of_threads=64)
-            s0 = sScan[0]
-            glast = s0 + sScan[1]
+                    x = x + xs
+                    y = y + ys
+            own = cute.arch.shuffle_sync(x, 31)
+            other = cute.arch.shuffle_sync(y, 31)
+            s0 = own          # rows 0..31
+            s1 = other        # rows 32..63
             if ctid >= 32:
+                s0 = other
+                s1 = own
                 x = x + s0
+            glast = s0 + s1
             sG[ctid] = x
             sEG[ctid] = cute.math.exp2(x, fastmath=True)
             egl = Float32(0.0)

@@ -137,7 +137,6 @@ class ChunkPrepSm90:
             sEG: cute.struct.MemRange[Float32, C]
             sEGL: cute.struct.MemRange[Float32, C]
             sBeta: cute.struct.MemRange[Float32, C]
-            sScan: cute.struct.MemRange[Float32, 4]
 
         @cute.struct
         class ThreePerSmStorage:
@@ -153,7 +152,6 @@ class ChunkPrepSm90:
             sEG: cute.struct.MemRange[Float32, C]
             sEGL: cute.struct.MemRange[Float32, C]
             sBeta: cute.struct.MemRange[Float32, C]
-            sScan: cute.struct.MemRange[Float32, 4]
 
         self.shared_storage = ThreePerSmStorage if self.three_per_sm else CompactStorage
         self.smem_bytes = self.shared_storage.size_in_bytes()
@@ -189,7 +187,6 @@ class ChunkPrepSm90:
             sEG: cute.struct.MemRange[Float32, C]
             sEGL: cute.struct.MemRange[Float32, C]
             sBeta: cute.struct.MemRange[Float32, C]
-            sScan: cute.struct.MemRange[Float32, 4]
             sFlag: cute.struct.MemRange[Int32, 4]
             sGk: cute.struct.Align[cute.struct.MemRange[Float32, C * 128], 16]
             sGL: cute.struct.MemRange[Float32, 128]
@@ -224,7 +221,6 @@ class ChunkPrepSm90:
             sEG: cute.struct.MemRange[Float32, C]
             sEGL: cute.struct.MemRange[Float32, C]
             sBeta: cute.struct.MemRange[Float32, C]
-            sScan: cute.struct.MemRange[Float32, 4]
             sFlag: cute.struct.MemRange[Int32, 4]
             sGk: cute.struct.Align[cute.struct.MemRange[Float32, 4], 16]
             sGL: cute.struct.MemRange[Float32, 4]
@@ -324,7 +320,6 @@ class ChunkPrepSm90:
         sEG = st.sEG.get_tensor(cute.make_layout(C))
         sEGL = st.sEGL.get_tensor(cute.make_layout(C))
         sBeta = st.sBeta.get_tensor(cute.make_layout(C))
-        sScan = st.sScan.get_tensor(cute.make_layout(4))
         sXk = sXv
         sGk = sG
         sGL = sG
@@ -351,7 +346,7 @@ class ChunkPrepSm90:
             head = work.head
             tok0 = work.tok_start
             tok_end = work.tok_end
-            gv, bv = local.gate_rows(ctid, tok0, tok_end, head, mG, mBeta)
+            gv, gw, bv = local.gate_rows(ctid, tok0, tok_end, head, mG, mBeta)
             if cutlass.const_expr(kda):
                 local.kda_g_prefetch_vec(ctid, tok0, local.rows_in(tok_end - tok0), head, mG, sGk)
 
@@ -361,10 +356,10 @@ class ChunkPrepSm90:
                 # -- 0. gates (as the fused kernel: loaded one chunk ahead)
                 if cutlass.const_expr(kda):
                     local.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv, sC=sC, g_vec=True)
-                    _, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
+                    _, _, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
                 else:
-                    local.gdn_gates(ctid, L, gv, bv, sG, sEG, sEGL, sBeta, sScan)
-                    gv, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
+                    local.gdn_gates(ctid, L, gv, gw, bv, sG, sEG, sEGL, sBeta)
+                    gv, gw, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
                 if cutlass.const_expr(self.tma_store):
                     if ctid == 0:
                         # the last chunk's TMA stores have read their staging tiles (the barrier below tells all)

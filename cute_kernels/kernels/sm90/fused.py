@@ -113,7 +113,6 @@ class ChunkedForwardSm90:
             sEG: cute.struct.MemRange[Float32, C]       # 2^G_r
             sEGL: cute.struct.MemRange[Float32, C]      # 2^(G_last - G_r), 0 past the chunk end
             sBeta: cute.struct.MemRange[Float32, C]     # beta_r, 0 past the chunk end
-            sScan: cute.struct.MemRange[Float32, 4]     # GDN gate scan: per-warp totals
             sFlag: cute.struct.MemRange[Int32, 4]       # KDA: 1 if a chunk needs the exact diagonal path
             sGk: cute.struct.Align[cute.struct.MemRange[Float32, C * 128 if kda else 4], 16]  # KDA: G[r, d]
             sGL: cute.struct.MemRange[Float32, 128 if kda else 4]   # KDA: G[L-1, d]
@@ -186,7 +185,6 @@ class ChunkedForwardSm90:
         sEG = st.sEG.get_tensor(cute.make_layout(C))
         sEGL = st.sEGL.get_tensor(cute.make_layout(C))
         sBeta = st.sBeta.get_tensor(cute.make_layout(C))
-        sScan = st.sScan.get_tensor(cute.make_layout(4))
         sFlag = st.sFlag.get_tensor(cute.make_layout(4))
         sXk = sXv
         sVnewD = sVnew
@@ -244,7 +242,7 @@ class ChunkedForwardSm90:
 
             # The gates are loaded one chunk ahead: GDN's g and beta rows into registers, KDA's beta (its g by
             # cp.async into sGk).
-            gv, bv = local.gate_rows(ctid, tok0, tok_end, head, mG, mBeta)
+            gv, gw, bv = local.gate_rows(ctid, tok0, tok_end, head, mG, mBeta)
             if cutlass.const_expr(kda):
                 local.kda_g_prefetch(ctid, tok0, local.rows_in(tok_end - tok0), head, mG, sGk)
 
@@ -254,10 +252,10 @@ class ChunkedForwardSm90:
                 # -- 0. gates of this chunk (fp32, log2 units), before waiting on the tile
                 if cutlass.const_expr(kda):
                     local.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv)
-                    _, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
+                    _, _, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
                 else:
-                    local.gdn_gates(ctid, L, gv, bv, sG, sEG, sEGL, sBeta, sScan)
-                    gv, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
+                    local.gdn_gates(ctid, L, gv, gw, bv, sG, sEG, sEGL, sBeta)
+                    gv, gw, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
 
                 load.consumer_wait(state)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)

@@ -1,8 +1,11 @@
 """Join the JSON files of a sweep run in parts (`--cells START:END`) into one result: JSON, heatmaps, tables.
 
     python -m benchmarks.combine OUT.json PART1.json PART2.json ...
+    python -m benchmarks.combine --merge-peers OUT.json MAIN.json OTHER.json ...
 
 Parts must be of the same op, grid, device and timing setup; a cell measured twice keeps its last measurement.
+`--merge-peers` adds the peers timed in another process on the same machine (`--no-ours --peers flashqla`: a
+peer whose packages cannot share ours' process) to MAIN's cells, and picks each cell's best peer again.
 """
 
 from __future__ import annotations
@@ -39,6 +42,33 @@ def combine(parts: list[dict]) -> tuple[dict, list[dict]]:
     return meta, [cells[c] for c in sorted(cells, key=_grid_order(meta.get("grid")))]
 
 
+def merge_peers(main: dict, others: list[dict]) -> tuple[dict, list[dict]]:
+    """MAIN's meta and rows with the per-peer times of `others` (same op, grid, device, timing) added per cell."""
+    meta = {k: v for k, v in main.items() if k != "rows"}
+    for o in others:
+        for k in ("op", "grid", "device", "timer", "graph"):
+            if o.get(k) != meta.get(k):
+                raise ValueError(f"{k!r} differs: {meta.get(k)!r} vs {o.get(k)!r}")
+    labels = dict(meta.get("peers") or {})
+    missing = dict(meta.get("peers_missing") or {})
+    by_cell = {}
+    for o in others:
+        labels.update(o.get("peers") or {})
+        for name in o.get("peers") or {}:
+            missing.pop(name, None)
+        for r in o["rows"]:
+            by_cell.setdefault((r["B"], r["H"], r["T"]), []).append(r)
+    rows = []
+    for r in main["rows"]:
+        r = dict(r)
+        for other in by_cell.get((r["B"], r["H"], r["T"]), []):
+            for field in ("peers_gpu", "peers_eager", "peers_graph", "peer_failures"):
+                r[field] = {**(r.get(field) or {}), **(other.get(field) or {})}
+        rows.append(report.summarize_peers(r, labels))
+    meta.update(peers=labels, peers_missing=missing, peer=", ".join(labels.values()))
+    return meta, rows
+
+
 def _grid_order(name):
     """A sort key that puts cells in their grid's table order (rows as the grid lists them, T ascending), whatever
     order the parts came in; cells outside the grid go last."""
@@ -54,8 +84,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.combine")
     ap.add_argument("out", help="the combined JSON path (PNG heatmaps are written beside it)")
     ap.add_argument("parts", nargs="+")
+    ap.add_argument("--merge-peers", action="store_true",
+                    help="the first part is the main run; the others add their peers to its cells")
     args = ap.parse_args(argv)
-    meta, rows = combine([report.read_json(p) for p in args.parts])
+    parts = [report.read_json(p) for p in args.parts]
+    meta, rows = merge_peers(parts[0], parts[1:]) if args.merge_peers else combine(parts)
     out = Path(args.out)
     report.write_json(out, meta, rows)
     title = f"{meta['op']} {meta['grid']} {meta['device']} {meta.get('date', '')}  ({meta.get('peer', '')})"

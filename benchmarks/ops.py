@@ -3,14 +3,14 @@
 Each op has
     * ``make_inputs(op, B, H, T, dtype, device)`` -> dict of fresh random tensors,
     * an "ours" callable from ``cute_kernels`` (may be missing: :func:`load_ours` returns None),
-    * a peer callable (:func:`load_peer`): FLA 0.6.0.
+    * the peers (FLA, FlashInfer, FlashQLA): `benchmarks.peers`.
 
 (Decode attention has its own sweep, with several peers: `benchmarks/decode.py`.)
 
 Both sides get exactly the same tensors and arguments.  Input choices:
     * q and k are L2-normalised per token outside the kernels (no ``use_qk_l2norm_in_kernel``).
     * g is the per-step log decay ``logsigmoid(randn)`` clamped to [-5, 0), in fp32.  FLA is called
-      with its default ``safe_gate=False`` (no range contract); ``--fla-safe-gate`` switches the peer
+      with its default ``safe_gate=False`` (no range contract); ``--fla-safe-gate`` switches FLA
       to ``safe_gate=True, lower_bound=-5``, whose contract (gates in [-5, 0)) these inputs meet.
     * beta = sigmoid(randn) in (0, 1), in the io dtype.
     * output_final_state=True on both sides, no initial state.
@@ -28,7 +28,6 @@ from benchmarks.roofline import HEAD_DIM
 OPS = ("kda", "gdn")
 OURS_ATTR = {"kda": "chunk_kda", "gdn": "chunk_gated_delta_rule"}
 GATE_LOWER_BOUND = -5.0
-FLA_VERSION = "0.6.0"
 
 # Exceptions meaning "ours is not available for this cell" rather than "ours is broken".
 NOT_AVAILABLE = (NotImplementedError, ImportError)
@@ -83,43 +82,6 @@ def last_plan() -> Any:
         return fn() if fn is not None else None
     except Exception as e:  # the plan is optional; never let it break a run
         return f"last_plan() failed: {e!r}"
-
-
-# --------------------------------------------------------------------------- peer
-
-
-class PeerUnavailable(RuntimeError):
-    pass
-
-
-def load_peer(op: str, *, fla_safe_gate: bool = False) -> tuple[str, Callable[[dict], Any]]:
-    """(label, callable) of the peer for ``op``; raises PeerUnavailable when FLA is missing."""
-    try:
-        import fla
-        if op == "kda":
-            from fla.ops.kda import chunk_kda as fla_fn
-        else:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
-    except Exception as e:
-        raise PeerUnavailable(
-            f"the peer for --op {op} is FLA (flash-linear-attention=={FLA_VERSION}) and it cannot be "
-            f"imported: {type(e).__name__}: {e}\n"
-            f"install it, e.g. pip install .wheelhouse/dl/fla_core-{FLA_VERSION}-py3-none-any.whl "
-            f".wheelhouse/dl/flash_linear_attention-{FLA_VERSION}-py3-none-any.whl"
-        ) from e
-    version = getattr(fla, "__version__", "?")
-    extra = {}
-    if op == "kda" and fla_safe_gate:
-        extra = {"safe_gate": True, "lower_bound": GATE_LOWER_BOUND}
-
-    def peer(x):
-        return fla_fn(
-            x["q"], x["k"], x["v"], x["g"], x["beta"],
-            scale=None, initial_state=None, output_final_state=True, cu_seqlens=None, **extra,
-        )
-
-    label = f"fla {version} {fla_fn.__name__}" + (" safe_gate" if extra else "")
-    return label, peer
 
 
 # --------------------------------------------------------------------------- correctness

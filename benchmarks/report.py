@@ -35,6 +35,29 @@ def has_ours(rows: Iterable[dict]) -> bool:
     return any(r.get("ours_us") is not None for r in rows)
 
 
+def summarize_peers(row: dict, labels: dict) -> dict:
+    """Fill a row's best-peer fields from its per-peer times: `peers` {name: us} (CUDA-graph time where the run
+    measured it, else GPU time), `best_peer`, `speedup_vs_best` (against ours in the same timing), and the
+    single-peer fields the tables and heatmaps read (`peer`, `peer_us`, `peer_eager_us`, `speedup`,
+    extra `peer_graph_us`) from the best peer. `labels`: {name: label}. Returns the row."""
+    graph = row.get("peers_graph") or {}
+    gpu = row.get("peers_gpu") or {}
+    row["peers"] = {n: (graph.get(n) or gpu.get(n)) for n in gpu if (graph.get(n) or gpu.get(n))}
+    if not row["peers"]:
+        row["best_peer"] = row["speedup_vs_best"] = None
+        return row
+    best = min(row["peers"], key=row["peers"].get)
+    row["best_peer"] = best
+    ours = row.get("ours_graph_us") if graph.get(best) else row.get("ours_us")
+    row["speedup_vs_best"] = row["peers"][best] / ours if ours else None
+    row["peer"] = labels.get(best, best)
+    row["peer_us"] = gpu.get(best)
+    row["peer_eager_us"] = (row.get("peers_eager") or {}).get(best)
+    row["speedup"] = row["peer_us"] / row["ours_us"] if row.get("ours_us") and row["peer_us"] else None
+    row.setdefault("extra", {})["peer_graph_us"] = graph.get(best)
+    return row
+
+
 def rel_err_bad(row: dict) -> bool:
     """Whether the row's correctness check failed (error over REL_ERR_TOL, or non-finite)."""
     err = row.get("max_rel_err")

@@ -1,10 +1,12 @@
-"""Benchmark sweep: our op vs its peer over a grid of (B, H, T) cells, on one CUDA GPU.
+"""Benchmark sweep: our op vs its peers over a grid of (B, H, T) cells, on one CUDA GPU.
 
-    python -m benchmarks.sweep --op {kda,gdn} --grid {seed,small,large}
-        [--out benchmarks/results] [--dtype bf16] [--reps N] [--no-ours] [--limit-cells N]
+    python -m benchmarks.sweep --op {kda,gdn} --grid {seed,small,large} [--peers fla,flashinfer,flashqla]
+        [--graph] [--out benchmarks/results] [--dtype bf16] [--reps N] [--no-ours] [--limit-cells N]
         [--bw-tbs 4.2] [--tflops 729] [--fla-safe-gate]
 
-Per cell: fresh random inputs on the GPU; GPU time (median) of ours and of the peer, measured in the
+Per cell: fresh random inputs on the GPU; GPU time (median) of ours and of each peer (`benchmarks.peers`: inputs
+converted to the peer's convention outside the timing), with eager and CUDA-graph times beside it, each peer's
+output error against ours, the best peer and the speed-up over it, measured in the
 same run with ``triton.testing.do_bench`` (or CUDA events when triton is missing); eager wall time
 per call (host clock around N back-to-back calls, one synchronize at the end); a loose correctness
 check of ours vs the peer; the roofline floor.  When one input set is smaller than twice the L2
@@ -29,6 +31,7 @@ import time
 import torch
 
 from benchmarks import grids, ops, report, roofline
+from benchmarks.peers import PEERS, load_peers
 
 NO_GPU_MSG = "no CUDA GPU found: the benchmark needs one (nothing was measured)"
 L2_BYTES = 60e6  # fallback when torch does not report the L2 size
@@ -48,7 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="max calls for the eager wall time, and timed calls of the CUDA-event fallback")
     p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up budget, ms")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench measuring budget, ms")
-    p.add_argument("--no-ours", action="store_true", help="time only the peer")
+    p.add_argument("--no-ours", action="store_true", help="time only the peers")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help="comma-separated peers of %(default)s (default: all that import here; one that does not is "
+                        "listed in the JSON's peers_missing with the reason)")
     p.add_argument("--scheduler", default="default", choices=["default", "segment"],
                    help="kda/gdn: ours as the planner runs it (set CUTE_KERNELS_PATH to pin a path); 'segment': the "
                         "fused kernel with SegmentScheduler() (segment count per cell by plan_segments). The plan is "
@@ -195,11 +201,14 @@ def _graph_time(timer, fn, gpu_us, extra, who):
         torch.cuda.synchronize()
 
 
-def run_cell(op, B, H, T, *, dtype, ours, peer, peer_label, timer, ceilings, l2_bytes, graph=False) -> dict:
+def run_cell(op, B, H, T, *, dtype, ours, peers, timer, ceilings, l2_bytes, graph=False) -> dict:
+    """One cell: ours and every peer (`peers`: {name: benchmarks.peers.Peer}) on the same input sets; per peer its
+    GPU, eager and (with `graph`) CUDA-graph time and its output's error against ours; then the best peer."""
     cost = roofline.cell_cost(op, B, H, T, io_bytes=dtype.itemsize)
     floor_us, bound = roofline.floor_us(cost, ceilings)
-    row = dict(op=op, B=B, H=H, T=T, ours_us=None, ours_eager_us=None, peer=peer_label, peer_us=None,
+    row = dict(op=op, B=B, H=H, T=T, ours_us=None, ours_eager_us=None, ours_graph_us=None, peer=None, peer_us=None,
                peer_eager_us=None, speedup=None, floor_us=floor_us, floor_bound=bound, max_rel_err=None,
+               peers_gpu={}, peers_eager={}, peers_graph={}, peer_errors={}, peer_failures={},
                extra={"bytes": cost.bytes, "flops": cost.flops})
     extra = row["extra"]
 
@@ -209,43 +218,54 @@ def run_cell(op, B, H, T, *, dtype, ours, peer, peer_label, timer, ceilings, l2_
     sets = [first] + [ops.make_inputs(op, B, H, T, dtype, "cuda") for _ in range(n_sets - 1)]
     extra["input_sets"] = n_sets
 
-    # One plain call each: compiles / autotunes, and gives the outputs for the correctness check.
-    peer_out = peer(first)
-    ours_ok = False
+    # One plain call of ours: compiles, and gives the outputs each peer is checked against.
+    ours_out = None
     if ours is not None:
         try:
             ours_out = ops.call_ours(op, ours, first)
-            ours_ok = True
         except ops.NOT_AVAILABLE as e:
             extra["ours"] = f"not available: {type(e).__name__}: {e}"
         except Exception as e:  # a bug in ours: record it and keep the sweep going
             extra["ours_error"] = f"{type(e).__name__}: {e}"
-        if ours_ok:
+        if ours_out is not None:
             plan = ops.last_plan()
             if plan is not None:
                 extra["plan"] = _jsonable(plan)
-            row["max_rel_err"] = ops.max_rel_err(ours_out, peer_out)
-            del ours_out
-    del peer_out
     torch.cuda.synchronize()
 
-    peer_fn = rotating(peer, sets)
-    row["peer_us"] = timer.gpu_us(peer_fn)
-    row["peer_eager_us"], extra["peer_eager_calls"] = timer.eager_us(peer_fn, row["peer_us"])
-    if graph:
-        _graph_time(timer, peer_fn, row["peer_us"], extra, "peer")
-    if ours_ok:
+    for name, peer in peers.items():
+        try:
+            prepared = [peer.prepare(x) for x in sets]   # the peer's conventions, outside the timing
+            out = peer.outputs(peer.call(prepared[0]), prepared[0])   # compiles / autotunes
+            if ours_out is not None:
+                row["peer_errors"][name] = ops.max_rel_err(ours_out, out)
+            del out
+            fn = rotating(peer.call, prepared)
+            row["peers_gpu"][name] = timer.gpu_us(fn)
+            row["peers_eager"][name], _ = timer.eager_us(fn, row["peers_gpu"][name])
+            if graph:
+                _graph_time(timer, fn, row["peers_gpu"][name], extra, name)
+                row["peers_graph"][name] = extra.pop(f"{name}_graph_us")
+            del prepared, fn
+        except Exception as e:   # a peer that cannot run this cell: recorded, the others go on
+            row["peer_failures"][name] = f"{type(e).__name__}: {e}"[:300]
+            torch.cuda.synchronize()
+    if row["peer_errors"]:
+        row["max_rel_err"] = max(row["peer_errors"].values())
+    del ours_out
+
+    if ours is not None and "ours" not in extra and "ours_error" not in extra:
         ours_fn = rotating(lambda x: ops.call_ours(op, ours, x), sets)
         try:
             row["ours_us"] = timer.gpu_us(ours_fn)
             row["ours_eager_us"], extra["ours_eager_calls"] = timer.eager_us(ours_fn, row["ours_us"])
-            row["speedup"] = row["peer_us"] / row["ours_us"]
             if graph:
                 _graph_time(timer, ours_fn, row["ours_us"], extra, "ours")
+                row["ours_graph_us"] = extra.get("ours_graph_us")
         except Exception as e:
-            row["ours_us"] = row["ours_eager_us"] = row["speedup"] = None
+            row["ours_us"] = row["ours_eager_us"] = None
             extra["ours_error"] = f"while timing: {type(e).__name__}: {e}"
-    return row
+    return report.summarize_peers(row, {n: p.label for n, p in peers.items()})
 
 
 # --------------------------------------------------------------------------- main
@@ -265,11 +285,18 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
+    names = [n for n in args.peers.split(",") if n]
     try:
-        peer_label, peer = ops.load_peer(args.op, fla_safe_gate=args.fla_safe_gate)
-    except ops.PeerUnavailable as e:
+        peers, peers_missing = load_peers(args.op, names, fla_safe_gate=args.fla_safe_gate)
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    for name, why in peers_missing.items():
+        print(f"peer {name} not available: {why}", file=sys.stderr)
+    if not peers:
+        print(f"error: none of the peers {', '.join(names)} can run here", file=sys.stderr)
+        return 1
+    peer_label = ", ".join(p.label for p in peers.values())
     if args.no_ours:
         ours, ours_status = None, "skipped (--no-ours)"
     else:
@@ -300,12 +327,15 @@ def main(argv=None) -> int:
         "device": device_name, "date": date, "torch": torch.__version__, "op": args.op, "grid": args.grid,
         "ceilings": ceilings.as_dict(), "dtype": args.dtype, "sm_count": props.multi_processor_count,
         "l2_bytes": l2_bytes, "timer": timer.name, "graph": args.graph, "peer": peer_label, "ours": ours_status,
+        "peers": {n: p.label for n, p in peers.items()}, "peers_missing": peers_missing,
     }
 
     torch.manual_seed(0)
     rows: list[dict] = []
     finished = False
     tag = args.grid + ("" if args.scheduler == "default" else "-" + args.scheduler)
+    if names != ["fla"]:   # several peers (or another one): {op}_peers_<device>_<date> for the seed grid
+        tag = "peers" + ("" if tag == "seed" else "-" + tag)
     if args.cells:
         tag += "_cells" + args.cells.replace(":", "-").replace(",", "_")
     stem = report.result_stem(args.out, args.op, tag, device_name, date)
@@ -314,8 +344,10 @@ def main(argv=None) -> int:
             bar = tqdm(todo, desc=f"{args.op} {args.grid}", unit="cell")
             for B, H, T in bar:
                 bar.set_postfix_str(f"B={B} H={H} T={T}")
-                row = run_cell(args.op, B, H, T, dtype=dtype, ours=ours, peer=peer, peer_label=peer_label,
-                               timer=timer, ceilings=ceilings, l2_bytes=l2_bytes, graph=args.graph)
+                row = run_cell(args.op, B, H, T, dtype=dtype, ours=ours, peers=peers, timer=timer, ceilings=ceilings,
+                               l2_bytes=l2_bytes, graph=args.graph)
+                for name, why in row["peer_failures"].items():
+                    bar.write(f"{name} failed at B={B} H={H} T={T}: {why}")
                 if row["extra"].get("ours_error"):
                     bar.write(f"ours failed at B={B} H={H} T={T}: {row['extra']['ours_error']}")
                 if report.rel_err_bad(row):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, check and time on the GPU machine in one call, by stage. From the repo root, after
 # `source .wheelhouse/b/install.sh`:
-#   bash scripts/device_check.sh [tests] [decode] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [bench-OP-GRID] ...
+#   bash scripts/device_check.sh [tests] [decode] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [bench-OP-GRID] [peers-OP-GRID] ...
 # Logs go to $OUT/logs_<stages>.tgz (one file: a call brings back at most 8), the seed8 / fla8 JSON to ./device_out (kept
 # on the machine between calls) and a copy into $OUT. Every stage runs under a hard limit (SIGINT first, so a
 # sweep writes the cells it measured), so a hung kernel cannot eat the session.
@@ -16,6 +16,8 @@
 #              (scripts/seed_cells.py; a fresh ./device_out/seed8_*.json per machine)
 #   fla8       the same cells with FLA (then seed8's comparison again, FLA beside)
 #   paths      scripts/time_paths.py paths
+#   peers-OP-GRID  ours against FLA, FlashInfer and FlashQLA (CUDA graphs; FlashQLA in its own process when
+#              scripts/peer_install.sh flashqla ran): benchmarks/results' {op}_peers_<device>_<date>.json
 set -uo pipefail
 dest=${OUT:-device_out}
 out=$dest/logs
@@ -78,6 +80,22 @@ for stage in $stages; do
         "$keep/seed8_old.json" "$keep/seed8_fla.json" ;;
     paths)
       run paths.log $t python3 scripts/time_paths.py paths ;;
+    peers-*)   # peers-OP-GRID: ours, FLA and FlashInfer in one process; FlashQLA (if installed) in its own; merged
+      spec=${stage#peers-}; op=${spec%%-*}; grid=${spec#*-}
+      rm -rf "$dest/peers_main" "$dest/peers_qla"
+      TAIL=40 run "peers_${op}_$grid.log" $t python3 -m benchmarks.sweep --op "$op" --grid "$grid" --graph \
+        --peers fla,flashinfer --out "$dest/peers_main" ${BENCH_ARGS:-}
+      if [ -f /tmp/site_flashqla/.complete ]; then
+        PYTHONPATH=/tmp/site_flashqla${PYTHONPATH:+:$PYTHONPATH} TAIL=10 run "peers_${op}_${grid}_flashqla.log" $t \
+          python3 -m benchmarks.sweep --op "$op" --grid "$grid" --graph --no-ours --peers flashqla \
+          --out "$dest/peers_qla" ${BENCH_ARGS:-}
+        main=$(ls "$dest"/peers_main/*.json | head -1); qla=$(ls "$dest"/peers_qla/*.json 2>/dev/null | head -1)
+        [ -n "$qla" ] && TAIL=60 run "peers_${op}_${grid}_merge.log" 120 python3 -m benchmarks.combine --merge-peers \
+          "$dest/$(basename "$main")" "$main" "$qla"
+      else
+        cp "$dest"/peers_main/* "$dest"/
+      fi
+      rm -rf "$dest/peers_main" "$dest/peers_qla" ;;
     bench-*)
       spec=${stage#bench-}; op=${spec%%-*}; grid=${spec#*-}
       TAIL=40 run "bench_${op}_${grid}.log" $t python3 -m benchmarks.sweep --op "$op" --grid "$grid" --out "$dest" ${BENCH_ARGS:-} ;;

@@ -48,6 +48,7 @@ REF_MERGE = ("tests/test_reference.py@merge or forms_agree or segmentation",)
 FUSED_HOST = ("tests/test_ops_host.py",)
 TWO_PHASE_HOST = ("tests/test_two_phase.py@segmented_state_pass_orchestration or wiring or contract or token_factor",)
 PATHS = "cute_kernels/paths/two_phase.py"
+BENCH_PEERS = "tests/test_benchmarks.py@best_peer or flashinfer_adapter or merge_peers"
 PLAN = "cute_kernels/plan/__init__.py"
 MERGE_RUN = "cute_kernels/paths/merge.py"
 
@@ -113,6 +114,14 @@ CPU_MUTANTS = [
     Mutant("last partial chunk's length taken as 64", "state-pass spec (paths.two_phase.state_pass_torch)", PATHS,
            "    for t0 in range(0, T, C):\n        t1 = min(t0 + C, T)\n        L = t1 - t0\n",
            "    for t0 in range(0, T, C):\n        t1 = min(t0 + C, T)\n        L = C\n", TWO_PHASE_HOST),
+    # -- the benchmark's peer adapters (a wrong conversion would time, and compare against, another problem)
+    Mutant("peer gate passed in log space", "FlashInfer adapter (benchmarks.peers)", "benchmarks/peers.py",
+           '"g": rows(x["g"]).float().exp(),', '"g": rows(x["g"]).float(),', (BENCH_PEERS,)),
+    Mutant("peer state layout not converted", "FlashInfer adapter (benchmarks.peers)", "benchmarks/peers.py",
+           "state.transpose(-1, -2)", "state", (BENCH_PEERS,)),
+    Mutant("slowest peer taken as the best", "benchmarks.report.summarize_peers", "benchmarks/report.py",
+           "best = min(row[\"peers\"], key=row[\"peers\"].get)", "best = max(row[\"peers\"], key=row[\"peers\"].get)",
+           (BENCH_PEERS,)),
 ]
 
 # GPU: bugs planted in the kernels (and the launches' host side), each against a few GPU tests that must catch it.

@@ -1,17 +1,27 @@
-# Source on the GPU machine after every part of .wheelhouse/peers was copied to /tmp/peer_parts (see
-# scripts/peer_wheels.sh): joins and checks them, installs the wheels into /tmp/site_peers once, adds it to
-# PYTHONPATH. FlashInfer's JIT builds its kernels with nvcc into $FLASHINFER_WORKSPACE_BASE/.cache.
-_peers=/tmp/site_peers
-if [ ! -f "$_peers/.complete" ]; then
-  read -r _size _sum _n < /tmp/peer_parts/manifest
-  cat /tmp/peer_parts/part* > /tmp/peers.tar
-  if [ "$(stat -c %s /tmp/peers.tar)" != "$_size" ] || [ "$(sha256sum /tmp/peers.tar | cut -d' ' -f1)" != "$_sum" ]; then
-    echo "peer_install.sh: parts missing or damaged ($(ls /tmp/peer_parts | tr '\n' ' ')); expected $_n parts" >&2
+# Source on the GPU machine after every part of a peer set was copied to /tmp/peer_parts_SET (see
+# scripts/peer_wheels.sh):  source scripts/peer_install.sh [flashinfer|flashqla]
+# Joins and checks the parts, installs the wheels into /tmp/site_SET once, and puts that folder on PYTHONPATH:
+# after ours for flashinfer; first for flashqla (its apache-tvm-ffi 0.1.12 must shadow ours, so only its own
+# process may import it). FlashInfer's JIT builds its kernels with nvcc into $FLASHINFER_WORKSPACE_BASE/.cache.
+_set=${1:-flashinfer}
+_parts=/tmp/peer_parts_$_set
+[ "$_set" = flashinfer ] && [ ! -d "$_parts" ] && [ -d /tmp/peer_parts ] && _parts=/tmp/peer_parts
+_site=/tmp/site_$_set
+if [ ! -f "$_site/.complete" ]; then
+  read -r _size _sum _n < "$_parts/manifest"
+  cat "$_parts"/part* > /tmp/peers_$_set.tar
+  if [ "$(stat -c %s /tmp/peers_$_set.tar)" != "$_size" ] || [ "$(sha256sum /tmp/peers_$_set.tar | cut -d' ' -f1)" != "$_sum" ]; then
+    echo "peer_install.sh: parts of $_set missing or damaged ($(ls "$_parts" | tr '\n' ' ')); expected $_n parts" >&2
     return 3 2>/dev/null || exit 3
   fi
-  mkdir -p /tmp/peer_wheels && tar xf /tmp/peers.tar -C /tmp/peer_wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$_peers" /tmp/peer_wheels/*.whl \
-    && touch "$_peers/.complete" || { echo "peer_install.sh: pip install failed" >&2; return 4 2>/dev/null || exit 4; }
+  mkdir -p /tmp/peer_wheels_$_set && tar xf /tmp/peers_$_set.tar -C /tmp/peer_wheels_$_set
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$_site" \
+    /tmp/peer_wheels_$_set/*.whl && touch "$_site/.complete" \
+    || { echo "peer_install.sh: pip install of $_set failed" >&2; return 4 2>/dev/null || exit 4; }
 fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$_peers"
+if [ "$_set" = flashqla ]; then
+  export PYTHONPATH="$_site${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$_site"
+fi
 export FLASHINFER_WORKSPACE_BASE=/tmp

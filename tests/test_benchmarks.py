@@ -419,3 +419,74 @@ def test_decode_sweep_without_gpu_says_so():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.sweep", "--op", "decode", "--grid", "quick"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and NO_GPU_MSG in proc.stderr
+
+
+def _peer_row(graph):
+    return {"B": 1, "H": 4, "T": 1024, "ours_us": 10.0, "ours_graph_us": 8.0 if graph else None,
+            "peers_gpu": {"fla": 30.0, "flashinfer": 12.0, "flashqla": 15.0},
+            "peers_eager": {"fla": 60.0, "flashinfer": 20.0, "flashqla": 25.0},
+            "peers_graph": {"fla": 25.0, "flashinfer": 11.0, "flashqla": 9.0} if graph else {}, "extra": {}}
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_best_peer_and_speedup(graph):
+    from benchmarks.report import summarize_peers
+
+    row = summarize_peers(_peer_row(graph), {"flashqla": "flashqla 0.1.3", "flashinfer": "flashinfer 0.7.2.post1"})
+    if graph:   # CUDA-graph times decide: flashqla's 9 us against ours' 8
+        assert row["peers"] == {"fla": 25.0, "flashinfer": 11.0, "flashqla": 9.0}
+        assert row["best_peer"] == "flashqla" and row["speedup_vs_best"] == pytest.approx(9.0 / 8.0)
+        assert row["peer"] == "flashqla 0.1.3" and row["extra"]["peer_graph_us"] == 9.0
+        assert row["peer_us"] == 15.0 and row["speedup"] == pytest.approx(1.5)
+    else:       # GPU times: flashinfer's 12 us against ours' 10
+        assert row["best_peer"] == "flashinfer" and row["speedup_vs_best"] == pytest.approx(1.2)
+        assert row["peer_eager_us"] == 20.0 and row["extra"]["peer_graph_us"] is None
+    empty = summarize_peers({"ours_us": 1.0, "peers_gpu": {}, "extra": {}}, {})
+    assert empty["best_peer"] is None and empty["speedup_vs_best"] is None
+
+
+def test_flashinfer_adapter_conventions():
+    from benchmarks.peers import flashinfer_outputs, flashinfer_prepare
+
+    B, T, H, D = 2, 5, 3, 4
+    gen = torch.Generator().manual_seed(0)
+    x = {"q": torch.randn(B, T, H, D, generator=gen).bfloat16(), "k": torch.randn(B, T, H, D, generator=gen),
+         "v": torch.randn(B, T, H, D, generator=gen), "g": -torch.rand(B, T, H, generator=gen),
+         "beta": torch.rand(B, T, H, generator=gen).bfloat16()}
+    p = flashinfer_prepare(x)
+    assert p["q"].shape == (B * T, H, D) and torch.equal(p["q"][T + 2], x["q"][1, 2])
+    assert p["g"].dtype == torch.float32 and torch.allclose(p["g"][T + 1], x["g"][1, 1].exp())   # alpha = exp(g)
+    assert p["beta"].dtype == torch.float32 and p["beta"].shape == (B * T, H)
+    assert p["cu_seqlens"].tolist() == [0, T, 2 * T] and p["cu_seqlens"].dtype == torch.int32
+    o = torch.randn(B * T, H, D, generator=gen)
+    state_vk = torch.randn(B, H, D, D, generator=gen)   # FlashInfer: [N, H, V, K]
+    o4, s = flashinfer_outputs((o, state_vk), p)
+    assert torch.equal(o4[1, 3], o[T + 3]) and o4.shape == (B, T, H, D)
+    assert torch.equal(s[1, 2, 0, 3], state_vk[1, 2, 3, 0])   # ours: [N, H, K, V]
+
+
+def test_load_peers_names_and_reasons():
+    from benchmarks.peers import load_peers
+
+    with pytest.raises(ValueError, match="unknown peer 'triton'"):
+        load_peers("gdn", ["triton"])
+    peers, missing = load_peers("kda", ["flashinfer", "flashqla"])
+    assert not peers and "SM90" in missing["flashinfer"] and "KDA" in missing["flashqla"]
+
+
+def test_merge_peers_from_another_process():
+    from benchmarks import combine
+
+    meta = {"op": "gdn", "grid": "seed", "device": "d", "timer": "t", "graph": True,
+            "peers": {"fla": "fla 0.6.0", "flashinfer": "fi"}, "peers_missing": {"flashqla": "tvm-ffi pin"}}
+    main_row = _peer_row(True)
+    for field in ("peers_gpu", "peers_eager", "peers_graph"):
+        main_row[field].pop("flashqla")
+    other_row = {"B": 1, "H": 4, "T": 1024, "ours_us": None, "peers_gpu": {"flashqla": 15.0},
+                 "peers_eager": {"flashqla": 25.0}, "peers_graph": {"flashqla": 9.0}, "extra": {}}
+    other = {**meta, "peers": {"flashqla": "flashqla 0.1.3"}, "peers_missing": {}, "rows": [other_row]}
+    merged_meta, rows = combine.merge_peers({**meta, "rows": [main_row]}, [other])
+    assert merged_meta["peers_missing"] == {} and set(merged_meta["peers"]) == {"fla", "flashinfer", "flashqla"}
+    assert rows[0]["best_peer"] == "flashqla" and rows[0]["speedup_vs_best"] == pytest.approx(9.0 / 8.0)
+    with pytest.raises(ValueError, match="device"):
+        combine.merge_peers({**meta, "rows": []}, [{**other, "device": "other"}])

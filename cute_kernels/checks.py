@@ -29,6 +29,17 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
+def check_no_grad(op: str, **tensors) -> None:
+    """The ops are forward-only: under grad mode an input that requires grad would get an output without a graph
+    (its gradient silently lost), so it raises instead, naming the input."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise RuntimeError(f"{op} is forward-only, but {name} requires grad: call it under torch.no_grad() or "
+                               f"torch.inference_mode() (or detach {name}); for training use FLA")
+
+
 def check_cuda(**tensors) -> torch.device:
     """All tensors on one CUDA device of a supported arch; returns that device."""
     device = None

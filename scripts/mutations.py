@@ -114,6 +114,10 @@ CPU_MUTANTS = [
     Mutant("last partial chunk's length taken as 64", "state-pass spec (paths.two_phase.state_pass_torch)", PATHS,
            "    for t0 in range(0, T, C):\n        t1 = min(t0 + C, T)\n        L = t1 - t0\n",
            "    for t0 in range(0, T, C):\n        t1 = min(t0 + C, T)\n        L = C\n", TWO_PHASE_HOST),
+    # -- forward-only ops: an input that requires grad must raise, not lose its gradient
+    Mutant("requires-grad input accepted", "op wiring (chunked forward)", "cute_kernels/ops/linear_attention.py",
+           "    check_no_grad(name, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)\n", "",
+           ("tests/test_gdn_sm90.py@requires_grad",)),
     # -- the benchmark's peer adapters (a wrong conversion would time, and compare against, another problem)
     Mutant("peer gate passed in log space", "FlashInfer adapter (benchmarks.peers)", "benchmarks/peers.py",
            '"g": rows(x["g"]).float().exp(),', '"g": rows(x["g"]).float(),', (BENCH_PEERS,)),

@@ -71,6 +71,25 @@ def test_bad_input():
         ck.chunk_kda(q, k, v, g[..., None].expand(1, 8, 2, 128).contiguous(), beta)
 
 
+
+def test_requires_grad_raises_naming_the_input():
+    """The ops are forward-only: an input that requires grad under grad mode raises (its gradient would be lost);
+    under no_grad the call goes on to the next check (here: CPU tensors)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g, beta = make_inputs(1, 8, 2, gen)
+    with pytest.raises(RuntimeError, match="chunk_gated_delta_rule is forward-only, but v requires grad"):
+        ck.chunk_gated_delta_rule(q, k, v.requires_grad_(), g, beta)
+    with pytest.raises(RuntimeError, match="chunk_kda is forward-only, but g requires grad"):
+        ck.chunk_kda(q, k, v.detach(), g[..., None].expand(1, 8, 2, 128).contiguous().requires_grad_(), beta)
+    with torch.no_grad(), pytest.raises(ValueError, match="must be on a CUDA device"):
+        ck.chunk_gated_delta_rule(q, k, v, g, beta)
+    with pytest.raises(RuntimeError, match="decode_attention is forward-only, but q requires grad"):
+        ck.decode_attention(torch.randn(1, 8, 128, requires_grad=True), torch.randn(1, 16, 2, 128),
+                            torch.randn(1, 16, 2, 128), torch.tensor([16], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="affine_merge is forward-only, but M requires grad"):
+        ck.affine_merge(torch.zeros(2, 1, 128, 128, requires_grad=True), torch.zeros(2, 1, 128, 128), [0, 2])
+
+
 LAYOUT_CHECK = r"""
 import os
 os.environ["CUTE_DSL_ARCH"] = "sm_90a"

@@ -10,7 +10,7 @@ import torch
 
 from schedulers.splitkv import SplitKVScheduler, StreamKScheduler, decode_problem
 
-from ..checks import check_cuda, check_shape, check_tensor
+from ..checks import check_cuda, check_no_grad, check_shape, check_tensor
 from ..kernels.build import build_decode
 from ..kernels.configs import DECODE_HEAD_DIMS, DECODE_ROWS, DecodeConfig
 from ..runtime.arch import device_arch, sm_count
@@ -121,6 +121,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, sca
     Returns o (q's shape and dtype), and with return_lse also lse (fp32, natural log, q's shape without D).
     `out=(o, lse)` writes into given tensors (lse may be None). `ck.last_plan()` explains the split.
     """
+    check_no_grad("decode_attention", q=q, k_cache=k_cache, v_cache=v_cache)
     B, Sq, Hq, Hkv, D, paged, bound = validate(q, k_cache, v_cache, cache_seqlens, page_table, scale, softcap,
                                                max_seqlen)
     device = check_cuda(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, page_table=page_table)

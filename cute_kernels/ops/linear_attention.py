@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from ..checks import check_cuda, check_shape, check_tensor
+from ..checks import check_cuda, check_no_grad, check_shape, check_tensor
 from ..paths.fused import FusedRun
 from ..paths.two_phase import OverlapRun, PrepRun, StateRun, overlap_free, prep_config
 from ..plan import ForwardPlan, PlanOptions, plan_forward
@@ -114,6 +114,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     """The ops' common forward: validate, plan (cached), run. `options` pins the planner's choices (tests)."""
     global _last
     name = "chunk_kda" if kda else "chunk_gated_delta_rule"
+    check_no_grad(name, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     B, T, H, K, V, N, cu = validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda=kda, scale=scale)
     device = q.device
     if device_arch(device) != "sm_90a":

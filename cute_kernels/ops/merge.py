@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_cuda, check_shape, check_tensor, offsets_tensor
+from ..checks import check_cuda, check_no_grad, check_shape, check_tensor, offsets_tensor
 from ..kernels.build import build_affine_merge, build_lse_merge
 from ..kernels.configs import MergeConfig
 from ..plan import merge_impl_for
@@ -40,6 +40,7 @@ def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_
     unwritten); returns (start_states, None) and `out` is `(start_states,)`. `impl` picks the variant
     (staged, prefetch, regs, tc; default: by the number of chains, `cute_kernels.plan.merge_impl_for`).
     """
+    check_no_grad("affine_merge", M=M, h_ext=h_ext, initial_state=initial_state)
     check_tensor("M", M, dtypes=(torch.float32,), ndim=4)
     check_tensor("h_ext", h_ext, dtypes=(torch.float32,), ndim=4)
     slots, H, K, K2 = M.shape
@@ -79,6 +80,7 @@ def lse_merge(o_partial, lse_partial, seg_offsets=None, out_dtype=torch.bfloat16
     lse `[N, *rows]`. A row with only empty splits gives o = 0 and lse = -inf. `out=(o, lse)` writes into
     given tensors instead.
     """
+    check_no_grad("lse_merge", o_partial=o_partial, lse_partial=lse_partial)
     check_tensor("o_partial", o_partial, dtypes=(torch.float32,), min_ndim=2)
     check_tensor("lse_partial", lse_partial, dtypes=(torch.float32,), min_ndim=1, align=4)
     if out_dtype not in OUT_DTYPES:

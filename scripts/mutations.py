@@ -118,6 +118,9 @@ CPU_MUTANTS = [
     Mutant("requires-grad input accepted", "op wiring (chunked forward)", "cute_kernels/ops/linear_attention.py",
            "    check_no_grad(name, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)\n", "",
            ("tests/test_gdn_sm90.py@requires_grad",)),
+    # -- torch.compile: the fake implementation must give the real outputs' shapes
+    Mutant("fake output shape wrong", "chunked forward's fake (ops/torch_ops.py)", "cute_kernels/ops/torch_ops.py",
+           "N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1", "N = B", ("tests/test_torch_ops.py",)),
     # -- the benchmark's peer adapters (a wrong conversion would time, and compare against, another problem)
     Mutant("peer gate passed in log space", "FlashInfer adapter (benchmarks.peers)", "benchmarks/peers.py",
            '"g": rows(x["g"]).float().exp(),', '"g": rows(x["g"]).float(),', (BENCH_PEERS,)),

@@ -18,6 +18,9 @@ ROW_KEYS = (
     "ours_us", "ours_eager_us",
     "peer", "peer_us", "peer_eager_us",
     "speedup", "floor_us", "floor_bound", "max_rel_err", "extra",
+    # every peer of the run (benchmarks.peers): times per peer name, the best one and the speed-up over it
+    "ours_graph_us", "peers", "best_peer", "speedup_vs_best", "peers_gpu", "peers_eager", "peers_graph",
+    "peer_errors", "peer_failures",
 )
 #: Loose correctness tolerance: relative error of ours vs the peer output.
 REL_ERR_TOL = 2e-2

@@ -107,11 +107,17 @@ def test_gdn_and_decode_roofline():
 
 
 def _row(B, H, T, ours, peer, err=None, op="kda"):
+    """A one-peer row with every key of report.ROW_KEYS, as the sweep writes it."""
     floor = 10.0
-    return dict(op=op, B=B, H=H, T=T, ours_us=ours, ours_eager_us=None if ours is None else ours + 5,
-                peer="fla 0.6.0 chunk_kda", peer_us=peer, peer_eager_us=peer + 5,
-                speedup=None if ours is None else peer / ours, floor_us=floor, floor_bound="memory",
-                max_rel_err=err, extra={"input_sets": 4})
+    row = dict.fromkeys(report.ROW_KEYS)
+    row.update(op=op, B=B, H=H, T=T, ours_us=ours, ours_eager_us=None if ours is None else ours + 5,
+               peer="fla 0.6.0 chunk_kda", peer_us=peer, peer_eager_us=peer + 5,
+               speedup=None if ours is None else peer / ours, floor_us=floor, floor_bound="memory",
+               max_rel_err=err, extra={"input_sets": 4}, peers={"fla": peer}, best_peer="fla",
+               speedup_vs_best=None if ours is None else peer / ours, peers_gpu={"fla": peer},
+               peers_eager={"fla": peer + 5}, peers_graph={}, peer_errors={} if err is None else {"fla": err},
+               peer_failures={})
+    return row
 
 
 def _fake_rows():
@@ -490,3 +496,21 @@ def test_merge_peers_from_another_process():
     assert rows[0]["best_peer"] == "flashqla" and rows[0]["speedup_vs_best"] == pytest.approx(9.0 / 8.0)
     with pytest.raises(ValueError, match="device"):
         combine.merge_peers({**meta, "rows": []}, [{**other, "device": "other"}])
+
+
+def test_peer_rows_round_trip_through_the_json(tmp_path):
+    """A several-peer row keeps every peer's times, errors, the best peer and the speed-up in the JSON, and the
+    tables and heatmaps read it like a one-peer row."""
+    from benchmarks.report import summarize_peers
+
+    row = summarize_peers(dict(_peer_row(True), op="gdn", floor_us=2.0, floor_bound="memory", max_rel_err=1e-3,
+                               peer_errors={"fla": 1e-3, "flashinfer": 2e-3}, peer_failures={"flashqla": "x"}),
+                          {"flashqla": "flashqla 0.1.3"})
+    path = report.write_json(tmp_path / "gdn_peers.json", {"op": "gdn", "grid": "seed"}, [row])
+    back = report.read_json(path)["rows"][0]
+    for key in ("ours_graph_us", "peers", "best_peer", "speedup_vs_best", "peers_gpu", "peers_eager", "peers_graph",
+                "peer_errors", "peer_failures", "floor_us"):
+        assert back[key] == row[key], key
+    assert back["best_peer"] == "flashqla" and back["peers"]["fla"] == 25.0
+    assert report.has_graph([back])
+    assert report.write_heatmap([back], tmp_path / "g.png", graph=True).read_bytes()[:4] == b"\x89PNG"

@@ -122,14 +122,6 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, sca
     `out=(o, lse)` writes into given tensors (lse may be None). `ck.last_plan()` explains the split.
     """
     check_no_grad("decode_attention", q=q, k_cache=k_cache, v_cache=v_cache)
-    if torch.compiler.is_compiling():   # the custom op `cute_kernels::decode_attention` (ops/torch_ops.py)
-        from .torch_ops import compiled_call, decode_attention_op
-
-        o, lse = compiled_call(decode_attention_op, "decode_attention",
-                               (q, k_cache, v_cache, cache_seqlens, page_table,
-                                None if scale is None else float(scale), None if softcap is None else float(softcap),
-                                None if max_seqlen is None else int(max_seqlen)), scheduler, out)
-        return (o, lse) if return_lse else o
     B, Sq, Hq, Hkv, D, paged, bound = validate(q, k_cache, v_cache, cache_seqlens, page_table, scale, softcap,
                                                max_seqlen)
     device = check_cuda(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, page_table=page_table)

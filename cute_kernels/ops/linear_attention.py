@@ -78,9 +78,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     (final_state may be None). Forward-only: an input that requires grad under grad mode raises. Under
     torch.compile the call is the custom op `torch.ops.cute_kernels.chunk_gated_delta_rule`. SM90 only for now.
     """
-    if torch.compiler.is_compiling():
-        return _compiled(False, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                         use_qk_l2norm_in_kernel, scheduler, out)
     return forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                    use_qk_l2norm_in_kernel, scheduler, out, kda=False)
 
@@ -95,24 +92,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     CUTE_KERNELS_CHECK_GATES=1 to assert g <= 0 on the device (asynchronously, no host sync).
     Same extra arguments as `chunk_gated_delta_rule`. SM90 only for now.
     """
-    if torch.compiler.is_compiling():
-        return _compiled(True, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                         use_qk_l2norm_in_kernel, scheduler, out)
     return forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                    use_qk_l2norm_in_kernel, scheduler, out, kda=True)
-
-
-def _compiled(kda, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-              scheduler, out):
-    """Under torch.compile: the call as the custom op `cute_kernels::chunk_kda` / `chunk_gated_delta_rule`."""
-    from .torch_ops import chunk_gated_delta_rule_op, chunk_kda_op, compiled_call
-
-    name = "chunk_kda" if kda else "chunk_gated_delta_rule"
-    check_no_grad(name, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    o, final = compiled_call(chunk_kda_op if kda else chunk_gated_delta_rule_op, name,
-                             (q, k, v, g, beta, None if scale is None else float(scale), initial_state,
-                              bool(output_final_state), cu_seqlens, bool(use_qk_l2norm_in_kernel)), scheduler, out)
-    return o, final if output_final_state else None
 
 
 _last: tuple | None = None   # (plan, path, capturing) of the last call

@@ -1,7 +1,7 @@
 """The public ops as torch custom ops (`torch.ops.cute_kernels.*`), so that `torch.compile(fullgraph=True)` traces
 a model that calls them: each has a fake (meta) implementation that gives the outputs' shapes and dtypes without
-running anything. The public functions route through these only while torch.compile traces; an eager call takes
-the direct path (no dispatcher on the per-call path).
+running anything. The public functions (defined here, exported by `cute_kernels`) route through the custom ops
+only while torch.compile traces; an eager call takes the direct path (no dispatcher on the per-call path).
 
 A custom op takes tensors and plain values only: `scheduler=` is an eager-only argument. Optional outputs come
 back as empty tensors and become None again in the public function.
@@ -9,11 +9,13 @@ back as empty tensors and become None again in the public function.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..checks import check_no_grad
 from . import decode as _decode
 from . import linear_attention as _la
 
@@ -78,3 +80,42 @@ def compiled_call(op, name: str, tensors_and_values: tuple, scheduler, out):
         if dst is not None:
             dst.copy_(src)
     return tuple(dst if dst is not None else src for dst, src in zip(out, results))
+
+
+def _linear_attention(kda: bool):
+    direct = _la.chunk_kda if kda else _la.chunk_gated_delta_rule
+    op = chunk_kda_op if kda else chunk_gated_delta_rule_op
+
+    @functools.wraps(direct)
+    def public(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+               use_qk_l2norm_in_kernel=False, scheduler=None, *, out=None):
+        if not torch.compiler.is_compiling():
+            return direct(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                          use_qk_l2norm_in_kernel, scheduler, out=out)
+        check_no_grad(direct.__name__, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+        o, final = compiled_call(op, direct.__name__,
+                                 (q, k, v, g, beta, None if scale is None else float(scale), initial_state,
+                                  bool(output_final_state), cu_seqlens, bool(use_qk_l2norm_in_kernel)), scheduler,
+                                 out)
+        return o, final if output_final_state else None
+
+    return public
+
+
+chunk_gated_delta_rule = _linear_attention(False)
+chunk_kda = _linear_attention(True)
+
+
+@functools.wraps(_decode.decode_attention)
+def decode_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, scale=None, softcap=None, scheduler=None,
+                     max_seqlen=None, return_lse=False, out=None):
+    if not torch.compiler.is_compiling():
+        return _decode.decode_attention(q, k_cache, v_cache, cache_seqlens, page_table=page_table, scale=scale,
+                                        softcap=softcap, scheduler=scheduler, max_seqlen=max_seqlen,
+                                        return_lse=return_lse, out=out)
+    check_no_grad("decode_attention", q=q, k_cache=k_cache, v_cache=v_cache)
+    o, lse = compiled_call(decode_attention_op, "decode_attention",
+                           (q, k_cache, v_cache, cache_seqlens, page_table, None if scale is None else float(scale),
+                            None if softcap is None else float(softcap),
+                            None if max_seqlen is None else int(max_seqlen)), scheduler, out)
+    return (o, lse) if return_lse else o

@@ -32,22 +32,24 @@ def _linear_attention_fake(q, k, v, g, beta, scale, initial_state, output_final_
     return torch.empty_like(v), final
 
 
-@torch.library.custom_op("cute_kernels::chunk_gated_delta_rule", mutates_args=())
-def chunk_gated_delta_rule_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
-                              initial_state: Optional[Tensor], output_final_state: bool, cu_seqlens: Optional[Tensor],
-                              use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor]:
-    o, final = _la.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                           use_qk_l2norm_in_kernel, None, None, kda=False)
-    return o, final if final is not None else _no_state(q)
+def _linear_attention_op(kda: bool):
+    """`cute_kernels::chunk_kda` or `cute_kernels::chunk_gated_delta_rule`: the forward with the planner's choices."""
+
+    def impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+             initial_state: Optional[Tensor], output_final_state: bool, cu_seqlens: Optional[Tensor],
+             use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor]:
+        o, final = _la.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                               use_qk_l2norm_in_kernel, None, None, kda=kda)
+        return o, final if final is not None else _no_state(q)
+
+    name = "chunk_kda" if kda else "chunk_gated_delta_rule"
+    op = torch.library.custom_op(f"cute_kernels::{name}", impl, mutates_args=())
+    op.register_fake(_linear_attention_fake)
+    return op
 
 
-@torch.library.custom_op("cute_kernels::chunk_kda", mutates_args=())
-def chunk_kda_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
-                 initial_state: Optional[Tensor], output_final_state: bool, cu_seqlens: Optional[Tensor],
-                 use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor]:
-    o, final = _la.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                           use_qk_l2norm_in_kernel, None, None, kda=True)
-    return o, final if final is not None else _no_state(q)
+chunk_gated_delta_rule_op = _linear_attention_op(False)
+chunk_kda_op = _linear_attention_op(True)
 
 
 @torch.library.custom_op("cute_kernels::decode_attention", mutates_args=())
@@ -56,10 +58,6 @@ def decode_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
                         max_seqlen: Optional[int]) -> tuple[Tensor, Tensor]:
     return _decode.decode_attention(q, k_cache, v_cache, cache_seqlens, page_table=page_table, scale=scale,
                                     softcap=softcap, max_seqlen=max_seqlen, return_lse=True)
-
-
-chunk_gated_delta_rule_op.register_fake(_linear_attention_fake)
-chunk_kda_op.register_fake(_linear_attention_fake)
 
 
 @decode_attention_op.register_fake

@@ -14,7 +14,7 @@
 #   compare    outputs of every path bitwise against the tree in $BASELINE (default .baseline: an older export)
 #   seed8      eight seed cells per op ($SEED_OPS: gdn,kda), $BASELINE and this tree alternated, then the comparison
 #              (scripts/seed_cells.py; a fresh ./device_out/seed8_*.json per machine)
-#   fla8       the same cells with FLA (then seed8's comparison again, FLA beside)
+#   fla8       the same cells with FLA (then seed8's comparison again, FLA beside; at least 300 s: Triton autotunes)
 #   paths      scripts/time_paths.py paths
 #   peers-OP-GRID  ours against FLA, FlashInfer and FlashQLA (CUDA graphs; FlashQLA in its own process when
 #              scripts/peer_install.sh flashqla ran): benchmarks/results' {op}_peers_<device>_<date>.json
@@ -75,7 +75,7 @@ for stage in $stages; do
       done
       TAIL=30 run seed8.log 60 python3 scripts/seed_cells.py compare "$keep/seed8_new.json" "$keep/seed8_old.json" ;;
     fla8)
-      TAIL=0 run fla8.log $t python3 scripts/seed_cells.py time fla "$keep/seed8_fla.json"
+      TAIL=0 run fla8.log $((t > 300 ? t : 300)) python3 scripts/seed_cells.py time fla "$keep/seed8_fla.json"
       TAIL=30 run seed8_fla_compare.log 60 python3 scripts/seed_cells.py compare "$keep/seed8_new.json" \
         "$keep/seed8_old.json" "$keep/seed8_fla.json" ;;
     paths)

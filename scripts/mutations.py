@@ -216,8 +216,8 @@ GPU_MUTANTS = [
     # -- decode attention
     Mutant("fixup counter not reset for the next call", "decode fixup", FIXUP,
            "            mCounters[unit] = Int32(0)", "            pass", G_DECODE, True),
-    Mutant("split weight dropped in the fixup", "decode fixup", FIXUP, "acc[j] = acc[j] + w * part[j]",
-           "acc[j] = acc[j] + part[j]", G_DECODE, True),
+    Mutant("split weight dropped in the fixup", "decode fixup", FIXUP, "acc[j] = acc[j] * c + w * part[j]",
+           "acc[j] = acc[j] * c + part[j]", G_DECODE, True),
     Mutant("page table read as contiguous pages", "decode producer", DECODE,
            "page = mPages[b, t // page_size]", "page = mPages[b, 0] + t // page_size", G_DECODE_PAGED, True),
     Mutant("new tokens' causal mask off by one", "decode softmax", DECODE,

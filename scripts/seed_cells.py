@@ -92,9 +92,12 @@ def time_cells(impl: str, path: str, ops=OPS) -> int:
             best = gpu if old is None else min(gpu, old["gpu_us"])
             rows[key] = {"gpu_us": best, "eager_us": eager, "runs": (old or {}).get("runs", 0) + 1}
             print(f"{impl} {key:18s} GPU {gpu:9.1f} us (best {best:9.1f})  eager {eager:9.1f} us", flush=True)
+            # Written after every cell: a run stopped by its time limit (FLA's autotuning) keeps what it measured.
+            with open(path + ".tmp", "w") as f:
+                json.dump(rows, f, indent=1)
+            os.replace(path + ".tmp", path)
             del x, call
             torch.cuda.empty_cache()
-    json.dump(rows, open(path, "w"), indent=1)
     return 0
 
 

@@ -6,8 +6,17 @@ configuration) on first call. The float64 references in `cute_kernels.reference`
 
 __version__ = "0.1.0"
 
-from .ops import affine_merge, chunk_gated_delta_rule, chunk_kda, decode_attention, last_plan, lse_merge
+from .ops import (
+    affine_merge,
+    chunk_gated_delta_rule,
+    chunk_kda,
+    decode_attention,
+    fused_recurrent_gated_delta_rule,
+    fused_recurrent_kda,
+    last_plan,
+    lse_merge,
+)
 from .runtime import UnsupportedDeviceError
 
-__all__ = ["affine_merge", "chunk_gated_delta_rule", "chunk_kda", "decode_attention", "last_plan", "lse_merge",
-           "UnsupportedDeviceError", "__version__"]
+__all__ = ["affine_merge", "chunk_gated_delta_rule", "chunk_kda", "decode_attention", "fused_recurrent_gated_delta_rule",
+           "fused_recurrent_kda", "last_plan", "lse_merge", "UnsupportedDeviceError", "__version__"]

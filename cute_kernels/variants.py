@@ -45,8 +45,8 @@ def _variants() -> list[Variant]:
     import torch
 
     from .kernels.build import (build_affine_merge, build_decode, build_decode_fixup, build_fused, build_lse_merge,
-                                build_prep, build_state_pass)
-    from .kernels.configs import DecodeConfig, FusedConfig, MergeConfig, PrepConfig, StateConfig
+                                build_prep, build_recurrent_step, build_state_pass)
+    from .kernels.configs import DecodeConfig, FusedConfig, MergeConfig, PrepConfig, RecurrentConfig, StateConfig
 
     bf, f16, f32 = torch.bfloat16, torch.float16, torch.float32
     out = []
@@ -134,6 +134,20 @@ def _variants() -> list[Variant]:
         out.append(Variant("decode_attention", f"decode_fixup_g{group}_{_dtype_tag(io)}",
                            lambda d, g=group, io=io: build_decode_fixup(g, io, dump_dir=d), ("ex2.approx", LD_GLOBAL_16B),
                            ANY))
+    # the recurrent decode step (every arch): plain GDN; GVA with a dense state and the gate in the kernel (fp16,
+    # fp32 beta); KDA with every flag, a pool and speculative writes
+    for name, cfg, io, gd, bd in [
+            ("recurrent_gdn", RecurrentConfig(), bf, f32, bf),
+            ("recurrent_gdn_gva4_dense_gate_fp16", RecurrentConfig(group=4, initial="dense", final="dense",
+                                                                   gate_in_kernel=True, a_log=True, dt_bias=True),
+             f16, f32, f32),
+            ("recurrent_kda_gva2_varlen_spec_pool_all_flags",
+             RecurrentConfig(kda=True, group=2, varlen=True, initial="pool", final="pool", spec=True, l2norm=True,
+                             gate_in_kernel=True, a_log=True, dt_bias=True, lower_bound=True, beta_sigmoid=True,
+                             neg_eigval=True), bf, bf, bf)]:
+        need = ("bar.sync", "shfl.sync.bfly", "ex2.approx") + (("rsqrt.approx",) if cfg.l2norm else ())
+        out.append(Variant("fused_recurrent", name, lambda d, c=cfg, io=io, gd=gd, bd=bd: build_recurrent_step(
+            c, io, gd, bd, dump_dir=d), need, ANY))
     from schedulers.probe import probe_variants
 
     return out + probe_variants(Variant)

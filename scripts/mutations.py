@@ -52,6 +52,8 @@ BENCH_PEERS = "tests/test_benchmarks.py@best_peer or flashinfer_adapter or merge
 PLAN = "cute_kernels/plan/__init__.py"
 MERGE_RUN = "cute_kernels/paths/merge.py"
 
+STEP_REF = "cute_kernels/reference/recurrent_step.py"
+
 CPU_MUTANTS = [
     # -- the carry factor diag(exp(G_last)) S dropped
     Mutant("carry factor dropped", "chunked reference", REF,
@@ -121,6 +123,13 @@ CPU_MUTANTS = [
     # -- torch.compile: the fake implementation must give the real outputs' shapes
     Mutant("fake output shape wrong", "chunked forward's fake (ops/torch_ops.py)", "cute_kernels/ops/torch_ops.py",
            "N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1", "N = B", ("tests/test_torch_ops.py",)),
+    # -- the decode step's spec: GVA's head map, the pool's -1
+    Mutant("GVA heads tiled instead of grouped", "decode-step spec (reference.recurrent_step)", STEP_REF,
+           "q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)",
+           "q, k = q.repeat(1, 1, group, 1), k.repeat(1, 1, group, 1)", ("tests/test_recurrent.py@spec_gva",)),
+    Mutant("pool index -1 read as a slot", "decode-step spec (reference.recurrent_step)", STEP_REF,
+           "                if idx >= 0:\n                    S = initial_state[idx].to(cd).clone()",
+           "                S = initial_state[idx].to(cd).clone()", ("tests/test_recurrent.py@spec_pool",)),
     # -- the benchmark's peer adapters (a wrong conversion would time, and compare against, another problem)
     Mutant("peer gate passed in log space", "FlashInfer adapter (benchmarks.peers)", "benchmarks/peers.py",
            '"g": rows(x["g"]).float().exp(),', '"g": rows(x["g"]).float(),', (BENCH_PEERS,)),
@@ -153,6 +162,7 @@ G_SCALE = ("tests/test_gdn_sm90.py@scale_final_state_and_l2norm and 300",)
 G_PREP = ("tests/test_two_phase.py@prep_kernel_matches and 1000",)
 G_TAIL = ("tests/test_gdn_sm90.py@varlen and long-and-short and weak and True",)
 DECODE = "cute_kernels/kernels/sm90/decode.py"
+STEP = "cute_kernels/kernels/recurrent_step.py"
 FIXUP = "cute_kernels/kernels/decode_fixup.py"
 G_DECODE = ("tests/test_decode.py@contiguous_gqa and 32-8",)
 G_DECODE_PAGED = ("tests/test_decode.py@paged and 16",)
@@ -225,6 +235,13 @@ GPU_MUTANTS = [
            "visible = visible and t < length - self.q_len + r // self.group", G_DECODE_CAUSAL, True),
     Mutant("last partial block's length taken as 64", "decode split range", DECODE,
            "        if kv_end > length:\n            kv_end = length\n", "", G_DECODE, True),
+    # -- the recurrent decode step
+    Mutant("GVA heads tiled instead of grouped", "recurrent step", STEP, "h = hv // cfg.group", "h = hv % cfg.group",
+           ("tests/test_recurrent.py@kernel_matches_spec and weak",), True),
+    Mutant("final state written to the initial slot", "recurrent step", STEP, "slot = final_idx[n, 0]",
+           "slot = init_idx[n, 0]", ("tests/test_recurrent.py@kernel_pool",), True),
+    Mutant("speculative start ignores num_accepted_tokens", "recurrent step", STEP, "j = accepted[n] - 1",
+           "j = Int32(0)", ("tests/test_recurrent.py@kernel_speculative",), True),
 ]
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ..runtime.arch import import_cutlass, target_arch
 from ..runtime.compile import DYN, Compiled, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
-from .configs import DecodeConfig, FusedConfig, MergeConfig, PrepConfig, StateConfig
+from .configs import DecodeConfig, FusedConfig, MergeConfig, PrepConfig, RecurrentConfig, StateConfig
 
 SM90_ONLY = ("sm_90a",)
 
@@ -225,3 +225,33 @@ def build_decode_fixup(group: int, out_dtype: torch.dtype, head_dim: int = 128, 
         return SplitKVFixup(group, cutlass_dtype(out_dtype)), args
 
     return compile_kernel(("decode_fixup", group, head_dim, _name(out_dtype)), build, dump_dir=dump_dir)
+
+
+def build_recurrent_step(config: RecurrentConfig, io_dtype: torch.dtype, g_dtype: torch.dtype,
+                         beta_dtype: torch.dtype, dump_dir=None) -> Compiled:
+    """The recurrent step (every arch). Its function takes (q, k, v, g, beta, a_log, dt_bias, h0, ht, cu_seqlens,
+    init_idx, final_idx, accepted, o, T, N, scale, lower_bound): see `RecurrentStep`."""
+
+    def build():
+        cutlass = import_cutlass()
+        from .recurrent_step import RecurrentStep
+
+        io, f32, i32, K = cutlass_dtype(io_dtype), cutlass.Float32, cutlass.Int32, config.head_dim
+        gd, bd = cutlass_dtype(g_dtype), cutlass_dtype(beta_dtype)
+        g_shape = (DYN, DYN, K) if config.kda else (DYN, DYN)
+        args = (
+            fake_tensor(io, (DYN, DYN, K)), fake_tensor(io, (DYN, DYN, K)), fake_tensor(io, (DYN, DYN, K)),  # q k v
+            fake_tensor(gd, g_shape, align=4), fake_tensor(bd, (DYN, DYN), align=2),                      # g, beta
+            fake_tensor(f32, (DYN,), align=4), fake_tensor(f32, (DYN,), align=4),                         # a_log, dt_bias
+            fake_tensor(f32, (DYN, DYN, K, K)), fake_tensor(f32, (DYN, DYN, K, K)),                       # h0, ht
+            fake_tensor(i32, (DYN,), align=4),                                                            # cu_seqlens
+            fake_tensor(i32, (DYN, DYN), align=4), fake_tensor(i32, (DYN, DYN), align=4),                 # indices
+            fake_tensor(i32, (DYN,), align=4),                                                            # accepted
+            fake_tensor(io, (DYN, DYN, K)),                                                               # o
+            i32(1), i32(1), f32(1.0), f32(1.0),
+            fake_stream(),
+        )
+        return RecurrentStep(config, io, gd, bd), args
+
+    return compile_kernel(("recurrent_step", config, _name(io_dtype), _name(g_dtype), _name(beta_dtype)), build,
+                          dump_dir=dump_dir)

@@ -156,3 +156,55 @@ class DecodeConfig:
             raise ValueError(f"group x q_len must be in [1, {DECODE_ROWS}], got {self.group} x {self.q_len}")
         if not 2 <= self.stages <= 4:
             raise ValueError(f"stages must be in [2, 4], got {self.stages}")
+
+
+STATE_SOURCES = ("none", "dense", "pool")
+
+
+@dataclass(frozen=True)
+class RecurrentConfig:
+    """The recurrent step (`RecurrentStep`, every arch): token by token over a state held in registers, for
+    decoding (a few tokens per sequence).
+
+    kda: per-key decay g [.., HV, K] (else one per head). group: value heads per q/k head (GVA, HV = group x H).
+    varlen: sequences packed along T, bounds from cu_seqlens on the device. initial / final: where the state
+    comes from and goes to: "none" (zero / not written), "dense" ([N, HV, K, V], row n) or "pool" ([P, HV, K, V],
+    row from an index array; -1 = zero state / no write). spec (speculative decoding): the state is read at
+    index [n, num_accepted_tokens[n] - 1] and the state after each token t written at index [n, t].
+    l2norm: q and k normalized in the kernel. gate_in_kernel: g is the raw gate: g = -exp(A_log) softplus(g +
+    dt_bias), or with lower_bound (KDA) g = lower_bound sigmoid(exp(A_log) (g + dt_bias)) (a_log False: A = 1).
+    beta_sigmoid: beta is a logit (neg_eigval: 2 sigmoid(beta))."""
+
+    kda: bool = False
+    head_dim: int = 128
+    group: int = 1
+    varlen: bool = False
+    initial: str = "none"
+    final: str = "none"
+    spec: bool = False
+    l2norm: bool = False
+    gate_in_kernel: bool = False
+    a_log: bool = False
+    dt_bias: bool = False
+    lower_bound: bool = False
+    beta_sigmoid: bool = False
+    neg_eigval: bool = False
+
+    def __post_init__(self):
+        if self.head_dim != 128:
+            raise ValueError(f"head_dim must be 128, got {self.head_dim}")
+        if self.group < 1:
+            raise ValueError(f"group must be >= 1, got {self.group}")
+        for name in ("initial", "final"):
+            if getattr(self, name) not in STATE_SOURCES:
+                raise ValueError(f"{name} must be one of {STATE_SOURCES}, got {getattr(self, name)!r}")
+        if self.spec and (self.initial != "pool" or self.final != "pool"):
+            raise ValueError("spec needs initial and final both 'pool'")
+        if (self.a_log or self.dt_bias or self.lower_bound) and not self.gate_in_kernel:
+            raise ValueError("a_log, dt_bias and lower_bound need gate_in_kernel")
+        if self.lower_bound and not self.kda:
+            raise ValueError("lower_bound is KDA's")
+        if self.gate_in_kernel and not (self.a_log or self.lower_bound):
+            raise ValueError("gate_in_kernel needs a_log (or, KDA, lower_bound)")
+        if self.neg_eigval and not self.beta_sigmoid:
+            raise ValueError("neg_eigval needs beta_sigmoid")

@@ -18,6 +18,7 @@ from torch import Tensor
 from ..checks import check_no_grad
 from . import decode as _decode
 from . import linear_attention as _la
+from . import recurrent as _rec
 
 
 def _no_state(q: Tensor) -> Tensor:
@@ -117,3 +118,96 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, sca
                             None if softcap is None else float(softcap),
                             None if max_seqlen is None else int(max_seqlen)), scheduler, out)
     return (o, lse) if return_lse else o
+
+
+@torch.library.custom_op("cute_kernels::fused_recurrent", mutates_args=("state_pool",))
+def fused_recurrent_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor], kda: bool,
+                       scale: Optional[float], initial_state: Optional[Tensor], state_pool: Optional[Tensor],
+                       output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+                       A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float],
+                       use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, cu_seqlens: Optional[Tensor],
+                       initial_state_indices: Optional[Tensor], final_state_indices: Optional[Tensor],
+                       num_accepted_tokens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """The decode step; a state pool (`state_pool`, written in place) comes back as an empty tensor."""
+    o, final = _rec.fused_recurrent(
+        q, k, v, g, beta, kda=kda, scale=scale, initial_state=state_pool if state_pool is not None else initial_state,
+        output_final_state=output_final_state and state_pool is None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        cu_seqlens=cu_seqlens, initial_state_indices=initial_state_indices, final_state_indices=final_state_indices,
+        num_accepted_tokens=num_accepted_tokens)
+    return o, final if final is not None else _no_state(q)
+
+
+@fused_recurrent_op.register_fake
+def _fused_recurrent_fake(q, k, v, g, beta, kda, scale, initial_state, state_pool, output_final_state,
+                          use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                          use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, initial_state_indices,
+                          final_state_indices, num_accepted_tokens):
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    dense = output_final_state and state_pool is None
+    final = q.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32) if dense else _no_state(q)
+    return torch.empty_like(v), final
+
+
+def _recurrent(kda: bool):
+    """The public decode step: direct in eager mode; under torch.compile the custom op (the pool, if indices name
+    one, as its mutated argument)."""
+
+    def call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+             A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens,
+             initial_state_indices, final_state_indices, num_accepted_tokens, out):
+        kw = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                  A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                  allow_neg_eigval=allow_neg_eigval, cu_seqlens=cu_seqlens)
+        if not torch.compiler.is_compiling():
+            return _rec.fused_recurrent(q, k, v, g, beta, kda=kda, initial_state=initial_state,
+                                        output_final_state=output_final_state, lower_bound=lower_bound,
+                                        initial_state_indices=initial_state_indices,
+                                        final_state_indices=final_state_indices,
+                                        num_accepted_tokens=num_accepted_tokens, out=out, **kw)
+        name = "fused_recurrent_kda" if kda else "fused_recurrent_gated_delta_rule"
+        check_no_grad(name, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+        pooled = initial_state_indices is not None or final_state_indices is not None or num_accepted_tokens is not None
+        o, final = fused_recurrent_op(
+            q, k, v, g, beta, kda, None if scale is None else float(scale), None if pooled else initial_state,
+            initial_state if pooled else None, bool(output_final_state), bool(use_qk_l2norm_in_kernel),
+            bool(use_gate_in_kernel), A_log, dt_bias, None if lower_bound is None else float(lower_bound),
+            bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), cu_seqlens, initial_state_indices,
+            final_state_indices, num_accepted_tokens)
+        if out is not None:
+            out.copy_(o)
+            o = out
+        if not output_final_state:
+            return o, None
+        return o, (initial_state if pooled else final)
+
+    return call
+
+
+_gdn_step, _kda_step = _recurrent(False), _recurrent(True)
+
+
+@functools.wraps(_rec.fused_recurrent_gated_delta_rule)
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                     use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None, *, initial_state_indices=None, final_state_indices=None,
+                                     num_accepted_tokens=None, out=None):
+    _rec.unsupported_gdn_arguments(gk, gv, state_v_first)
+    return _gdn_step(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel, A_log, dt_bias, None, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                     cu_seqlens, initial_state_indices, final_state_indices, num_accepted_tokens, out)
+
+
+@functools.wraps(_rec.fused_recurrent_kda)
+def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                        state_v_first=False, cu_seqlens=None, *, initial_state_indices=None,
+                        final_state_indices=None, num_accepted_tokens=None, out=None):
+    _rec.unsupported_gdn_arguments(None, None, state_v_first)
+    return _kda_step(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                     cu_seqlens, initial_state_indices, final_state_indices, num_accepted_tokens, out)

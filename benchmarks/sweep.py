@@ -12,7 +12,8 @@ per call (host clock around N back-to-back calls, one synchronize at the end); a
 check of ours vs the peer; the roofline floor.  When one input set is smaller than twice the L2
 cache, the timed callables rotate among several input sets so that the cache does not flatter.
 
-``--op decode`` runs the decode sweep instead (``benchmarks/decode.py``: its own grid, several peers).
+``--op decode`` runs the decode-attention sweep instead (``benchmarks/decode.py``), ``--op gdn_decode`` /
+``kda_decode`` the decode-step sweep (``benchmarks/recurrent_decode.py``): their own grids and peers.
 
 Without a CUDA GPU it prints a message and exits with status 2; it never invents numbers.
 """
@@ -273,11 +274,16 @@ def run_cell(op, B, H, T, *, dtype, ours, peers, timer, ceilings, l2_bytes, grap
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "decode" in (argv[argv.index("--op") + 1:argv.index("--op") + 2] if "--op" in argv else []) or \
-            "--op=decode" in argv:
+    op = argv[argv.index("--op") + 1] if "--op" in argv[:-1] else next(
+        (a.split("=", 1)[1] for a in argv if a.startswith("--op=")), None)
+    if op == "decode":
         from benchmarks import decode
 
         return decode.main(argv)
+    if op in ("gdn_decode", "kda_decode"):
+        from benchmarks import recurrent_decode
+
+        return recurrent_decode.main(argv)
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print(NO_GPU_MSG, file=sys.stderr)

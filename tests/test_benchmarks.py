@@ -427,6 +427,46 @@ def test_decode_sweep_without_gpu_says_so():
     assert proc.returncode == 2 and NO_GPU_MSG in proc.stderr
 
 
+# --------------------------------------------------------------------------- decode-step sweep
+
+
+def test_decode_step_grid_and_inputs():
+    from benchmarks import recurrent_decode as rd
+
+    cells = rd.grid("full")
+    assert {c.B for c in cells} == set(rd.BATCHES) and {c.Sq for c in cells} == {1, 2, 4, 8}
+    assert any(c.B * c.H >= 256 for c in cells) and len(set(cells)) == len(cells)
+    assert rd.StepCell(2, 8, 1).state_bytes() == 2 * 2 * 8 * 128 * 128 * 4   # read + write, fp32
+    x = rd.make_inputs(rd.StepCell(2, 8, 3), True, "cpu")
+    assert x["q"].shape == (2, 3, 4, 128) and x["v"].shape == (2, 3, 8, 128)        # GVA 2
+    assert x["a"].shape == (2, 3, 8, 128) and x["dt_bias"].shape == (8, 128)        # KDA: per-key gates
+    assert x["state"].dtype == torch.float32 and x["idx"].tolist() == [0, 1]
+    s = torch.randn(2, 3, 128, 128)
+    assert torch.equal(rd.flashinfer_state(s)[1, 2], s[1, 2].T)                    # [K, V] -> FlashInfer's [V, K]
+    with pytest.raises(ValueError, match="unknown decode-step grid"):
+        rd.grid("seed")
+
+
+def test_decode_step_report_and_heatmap(tmp_path):
+    from benchmarks import recurrent_decode as rd
+
+    rows = [{"B": b, "H": 32, "Sq": sq, "ours_us": 10.0, "peers": {"fla": 20.0 if b == 1 else 8.0},
+             "peer_errors": {"flashinfer": "x"}, "best_peer": "fla", "speedup_vs_best": (20.0 if b == 1 else 8.0) / 10,
+             "state_tbps": 2.5, "of_copy_bw": 0.8} for b in (1, 64) for sq in (1, 4)]
+    table = rd.format_table(rows)
+    assert "2.00" in table and table.splitlines()[-1].endswith(" !")   # the lost cell is marked
+    path = rd.write_heatmap(rows, tmp_path / "step.png", "test")
+    assert path.exists() and path.stat().st_size > 1000
+
+
+def test_decode_step_sweep_without_gpu_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sweep", "--op", "gdn_decode", "--grid", "quick"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and NO_GPU_MSG in proc.stderr
+
+
 def _peer_row(graph):
     return {"B": 1, "H": 4, "T": 1024, "ours_us": 10.0, "ours_graph_us": 8.0 if graph else None,
             "peers_gpu": {"fla": 30.0, "flashinfer": 12.0, "flashqla": 15.0},

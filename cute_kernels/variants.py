@@ -81,10 +81,11 @@ def _variants() -> list[Variant]:
                  (FusedConfig(kda, "forward", True, True), f16, f32),
                  (FusedConfig(kda, "forward", True, True, persistent=True), bf, bf),
                  (FusedConfig(kda, "summary"), bf, bf), (FusedConfig(kda, "segment_outputs", True, True), bf, bf)]
+        fused.append((FusedConfig(kda, "forward", True, True, group=2), bf, bf))   # GVA
         for cfg, io, beta in fused:
             name = (f"{tag}_fused_{cfg.mode}" + ("_init" if cfg.initial_state else "")
                     + ("_final" if cfg.final_state else "") + ("_persistent" if cfg.persistent else "")
-                    + f"_{_dtype_tag(io)}_beta_{_dtype_tag(beta)}")
+                    + (f"_gva{cfg.group}" if cfg.group > 1 else "") + f"_{_dtype_tag(io)}_beta_{_dtype_tag(beta)}")
             need = (WGMMA, TMA_LOAD, REGS_UP, "setmaxnreg.dec")
             need += ("st.shared.v4", "ld.shared.v4", "cp.async.ca.shared.global", "cp.async.wait_group") if kda else ()
             out.append(Variant(op, name, lambda d, c=cfg, io=io, b=beta: build_fused(c, io, b, dump_dir=d), need, SM90))
@@ -99,6 +100,9 @@ def _variants() -> list[Variant]:
             name = f"{tag}_prep_{cfg.terms}_{cfg.ctas_per_sm}_per_sm" + ("_publish" if cfg.publish else "")
             need = (WGMMA, TMA_LOAD, "st.global.v4", "griddepcontrol.launch_dependents") + extra
             out.append(Variant(op, name, lambda d, c=cfg: build_prep(c, bf, bf, dump_dir=d), need, SM90))
+        out.append(Variant(op, f"{tag}_prep_folded_gva2",
+                           lambda d, kda=kda: build_prep(PrepConfig(kda, "folded", 1 if kda else 2, group=2), bf, bf,
+                                                         dump_dir=d), (WGMMA, TMA_LOAD), SM90))
         out.append(Variant(op, f"{tag}_prep_folded_fp16_beta_float32",
                            lambda d, kda=kda: build_prep(PrepConfig(kda, "folded", 1 if kda else 2), f16, f32,
                                                          dump_dir=d), (WGMMA, TMA_LOAD), SM90))
@@ -115,6 +119,10 @@ def _variants() -> list[Variant]:
             need = (WGMMA + ".sync.aligned.m64n128k16", TMA_LOAD, REGS_UP, "griddepcontrol.wait")
             need += ("ld.acquire.gpu.global", "vote.sync.ballot") if cfg.consume else ()
             out.append(Variant(op, name, lambda d, c=cfg: build_state_pass(c, bf, dump_dir=d), need, SM90))
+        if not kda:   # GVA: the token-factor build reads the call's q / k at hv // group
+            out.append(Variant(op, f"{tag}_state_forward_init_final_gva2",
+                               lambda d: build_state_pass(StateConfig(False, "forward", True, True, True, group=2), bf,
+                                                          dump_dir=d), (WGMMA, TMA_LOAD), SM90))
         out.append(Variant(op, f"{tag}_state_forward_fp16",
                            lambda d, kda=kda: build_state_pass(StateConfig(kda, "forward", True, True, not kda), f16,
                                                                dump_dir=d), (WGMMA, TMA_LOAD), SM90))

@@ -235,6 +235,9 @@ GPU_MUTANTS = [
            "visible = visible and t < length - self.q_len + r // self.group", G_DECODE_CAUSAL, True),
     Mutant("last partial block's length taken as 64", "decode split range", DECODE,
            "        if kv_end > length:\n            kv_end = length\n", "", G_DECODE, True),
+    # -- GVA in the chunked forward
+    Mutant("GVA: q / k read at the value head", "the q / k / v producer (chunk-local)", LOCAL,
+           "h = head if group == 1 else head // group", "h = head", ("tests/test_gdn_sm90.py@gva and 1000",), True),
     # -- the recurrent decode step
     Mutant("GVA heads tiled instead of grouped", "recurrent step", STEP, "h = hv // cfg.group", "h = hv % cfg.group",
            ("tests/test_recurrent.py@kernel_matches_spec and weak",), True),

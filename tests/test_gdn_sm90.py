@@ -50,6 +50,10 @@ def test_bad_input():
         ck.chunk_gated_delta_rule(q, k, v, g[..., None].expand(1, 8, 2, 128).contiguous(), beta)
     with pytest.raises(ValueError, match="beta must have shape"):
         ck.chunk_gated_delta_rule(q, k, v, g, beta[:, :4].contiguous())
+    with pytest.raises(ValueError, match=r"v's heads \(HV = 3\) must be a multiple"):
+        ck.chunk_gated_delta_rule(q, k, torch.randn(1, 8, 3, 128, dtype=q.dtype), g, beta)
+    with pytest.raises(ValueError, match="g must have shape"):   # GVA: g per value head
+        ck.chunk_gated_delta_rule(q, k, torch.randn(1, 8, 4, 128, dtype=q.dtype), g, beta)
     with pytest.raises(TypeError, match="cu_seqlens must be a 1-D int32/int64"):
         ck.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0.0, 8.0]))
     with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
@@ -218,6 +222,37 @@ def test_scale_final_state_and_l2norm(kda, T, path):
     run_and_check(path, 1, T, 4, gen, True, kda=kda, regime="weak", scale=0.3)
     run_and_check(path, 1, T, 4, gen, True, kda=kda, regime="weak", final=False)
     run_and_check(path, 1, T, 4, gen, False, kda=kda, regime="mixed", l2norm=True)
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("T,cu", [(1000, None), (4100, None), (3000, [0, 1, 65, 65, 1000, 1063, 3000])],
+                         ids=["1000", "4100", "varlen"])
+def test_gva(kda, group, T, cu, path):
+    """GVA: v, g, beta and the states have HV = group x H heads, q and k H; value head hv reads q / k head
+    hv // group. Against the reference with q / k repeated per group (weak decay: the carried state shows)."""
+    gen = torch.Generator().manual_seed(23 + group + 2 * kda + T)
+    dev = torch.device("cuda")
+    B = 2 if cu is None else 1
+    H, HV = 2, 2 * group
+    _, _, v, g, beta = make_inputs(B, T, HV, gen, dev, kda=kda, regime="weak")
+    q, k, _, _, _ = make_inputs(B, T, H, gen, dev)
+    N = B if cu is None else len(cu) - 1
+    init = initial_state(N, HV, gen, dev)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+    rep = lambda x: x.repeat_interleave(group, dim=2)   # noqa: E731
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(rep(q), rep(k), v, g, beta, initial_state=init,
+                                                   output_final_state=True, cu_seqlens=cu_t)
+    outs = []
+    for _ in range(2):
+        out = (poisoned((B, T, HV, 128), q.dtype, dev), poisoned((N, HV, 128, 128), torch.float32, dev))
+        o, s = la.forward(q, k, v, g, beta, None, init, True, cu_t, False, None, out, kda=kda, options=path)
+        assert not o.isnan().any() and not s.isnan().any()
+        outs.append((o.clone(), s.clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert rel_err(outs[0][0], want_o) <= 5e-3, rel_err(outs[0][0], want_o)
+    assert rel_err(outs[0][1], want_s) <= 5e-3, rel_err(outs[0][1], want_s)
 
 
 @requires_sm90

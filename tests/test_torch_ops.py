@@ -25,6 +25,10 @@ def test_fake_linear_attention_shapes(kda):
         assert final.shape == (2, 4, 128, 128) and final.dtype == torch.float32   # N = 2 sequences
         _, none = op(q, k, v, g, beta, 0.1, None, False, None, False)
         assert none.numel() == 0
+        v2 = torch.randn(1, 300, 8, 128, dtype=torch.bfloat16)   # GVA: the state has v's heads
+        g2 = -torch.rand((1, 300, 8, 128) if kda else (1, 300, 8))
+        o2, final2 = op(q, k, v2, g2, beta.repeat(1, 1, 2), None, None, True, None, False)
+        assert o2.shape == v2.shape and final2.shape == (1, 8, 128, 128)
 
 
 def test_fake_decode_attention_shapes():

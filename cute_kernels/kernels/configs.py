@@ -18,21 +18,29 @@ def _mode(mode: str) -> None:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
+def _group(group: int) -> None:
+    if not isinstance(group, int) or group < 1:
+        raise ValueError(f"group (value heads per q / k head) must be an int >= 1, got {group!r}")
+
+
 @dataclass(frozen=True)
 class FusedConfig:
     """The fused forward (`ChunkedForwardSm90`): one CTA per (sequence, head[, segment]) walks its chunks.
     mode: `forward` (start from the initial state or 0, write o and, at a sequence's last segment, the final
     state), `summary` (the segment's affine map from 0 / I, no o), `segment_outputs` (start from the merged start
-    state of the segment's slot, write o). persistent: CTAs loop over the tile table (PersistentScheduler)."""
+    state of the segment's slot, write o). persistent: CTAs loop over the tile table (PersistentScheduler).
+    group: value heads per q / k head (GVA): the work tile's head hv reads q and k at hv // group."""
 
     kda: bool = False
     mode: str = "forward"
     initial_state: bool = False
     final_state: bool = False
     persistent: bool = False
+    group: int = 1
 
     def __post_init__(self):
         _mode(self.mode)
+        _group(self.group)
 
 
 @dataclass(frozen=True)
@@ -43,15 +51,18 @@ class PrepConfig:
     `solved` -- w = T exp(G) k, u = T v, Aqk and the gated q, k (GDN's overlapped path).
     ctas_per_sm: GDN's folded build runs 2 or 3 CTAs per SM (3: Akk over the dead q tile, for grids past one
     wave of 2); every other build 1. publish: the overlapped path's build (persistent grid, a flag per chunk).
-    pdl: programmatic dependent launch: the state pass's prologue overlaps this grid's tail."""
+    pdl: programmatic dependent launch: the state pass's prologue overlaps this grid's tail. group: GVA, as
+    `FusedConfig` (the terms are per value head)."""
 
     kda: bool = False
     terms: str = "folded"
     ctas_per_sm: int = 2
     publish: bool = False
     pdl: bool = True
+    group: int = 1
 
     def __post_init__(self):
+        _group(self.group)
         if self.terms not in ("folded", "solved"):
             raise ValueError(f"terms must be 'folded' or 'solved', got {self.terms!r}")
         built = ((self.kda and self.terms == "folded" and self.ctas_per_sm == 1)
@@ -73,7 +84,8 @@ class StateConfig:
     the chain in registers. token_factors: GDN's folded terms -- q, k, v, W2, A1 and per-token factors (scale 2^G,
     2^(G_L - G), 2^G_L, 2^G) -- instead of the solved terms (qg, w, u, kg, Aqk, exp(G_L)); KDA always reads the
     solved slots (its folded terms fill them: exp(G) k, v, W2, A1). consume: the overlapped path's build (waits on
-    phase 1's per-chunk flags). pdl: waits for the previous kernel inside, after its prologue."""
+    phase 1's per-chunk flags). pdl: waits for the previous kernel inside, after its prologue. group: GVA (with
+    token_factors, q and k are the call's, read at hv // group; every other term is per value head)."""
 
     kda: bool = False
     mode: str = "forward"
@@ -82,9 +94,13 @@ class StateConfig:
     token_factors: bool = False
     consume: bool = False
     pdl: bool = True
+    group: int = 1
 
     def __post_init__(self):
         _mode(self.mode)
+        _group(self.group)
+        if self.group != 1 and not self.token_factors:
+            raise ValueError("group: only the token_factors build reads q / k (the solved terms are per value head)")
         if self.token_factors and self.kda:
             raise ValueError("token_factors is GDN's folded build (KDA's folded terms fill the solved slots)")
         if self.consume and (self.mode != "forward" or self.token_factors):

@@ -23,21 +23,24 @@ SUPPORTED_HEAD_DIMS = (128,)
 
 
 def validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda: bool, scale):
-    """Check everything on the host; returns (B, T, H, K, V, N, cu) with cu the cu_seqlens values as a tuple
-    (or None). Every error names the argument."""
+    """Check everything on the host; returns (B, T, HV, K, V, N, cu, group) with HV the value heads (GVA: v, g,
+    beta and the states have HV = group x H heads, q and k H), cu the cu_seqlens values as a tuple (or None).
+    Every error names the argument."""
     check_tensor("q", q, dtypes=IO_DTYPES, ndim=4)
     B, T, H, K = q.shape
     check_tensor("k", k, dtypes=(q.dtype,), ndim=4)
     check_shape("k", k, (B, T, H, K))
     check_tensor("v", v, dtypes=(q.dtype,), ndim=4)
-    V = v.shape[-1]
-    check_shape("v", v, (B, T, H, V))
+    HV, V = v.shape[2], v.shape[3]
+    check_shape("v", v, (B, T, HV, V))
+    if H < 1 or HV % H:
+        raise ValueError(f"v's heads (HV = {HV}) must be a multiple of q's and k's (H = {H}) (GVA)")
     if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dims K={K}, V={V} are not supported: supported are {SUPPORTED_HEAD_DIMS}")
     check_tensor("g", g, dtypes=(torch.float32, q.dtype), ndim=4 if kda else 3)
-    check_shape("g", g, (B, T, H, K) if kda else (B, T, H))
+    check_shape("g", g, (B, T, HV, K) if kda else (B, T, HV))
     check_tensor("beta", beta, dtypes=(torch.float32, q.dtype), ndim=3, align=4)
-    check_shape("beta", beta, (B, T, H))
+    check_shape("beta", beta, (B, T, HV))
     if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
     if cu_seqlens is not None:
@@ -59,10 +62,10 @@ def validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda: bool, scal
         cu = None
     if initial_state is not None:
         check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4)
-        check_shape("initial_state", initial_state, (N, H, K, V))
+        check_shape("initial_state", initial_state, (N, HV, K, V))
     check_cuda(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
                cu_seqlens=cu_seqlens if cu_seqlens is not None and cu_seqlens.is_cuda else None)
-    return B, T, H, K, V, N, cu
+    return B, T, HV, K, V, N, cu, HV // H
 
 
 # CUTE_KERNELS_CHECK_GATES=1: assert g <= 0 on the device (asynchronously) in every call: a pass over g, so off.
@@ -116,7 +119,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     global _last
     name = "chunk_kda" if kda else "chunk_gated_delta_rule"
     check_no_grad(name, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    B, T, H, K, V, N, cu = validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda=kda, scale=scale)
+    B, T, H, K, V, N, cu, group = validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda=kda,
+                                                  scale=scale)   # H: value heads (the work tiles')
     device = q.device
     if device_arch(device) != "sm_90a":
         raise NotImplementedError(f"{name} runs on SM90 (Hopper) only for now, got {device_arch(device)}")
@@ -149,7 +153,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         path = "two_phase"
     _last = (plan, path, capturing)
     last.record(explain_last)
-    key = (q.dtype, beta.dtype, init, final is not None, device)
+    key = (q.dtype, beta.dtype, init, final is not None, device, group)
     run(plan, path, key).run(q, k, v, g32, beta, scale, initial_state, o, final)
     if not capturing and plan.graph_path != path:
         # a capture of this call would take another path: build its runner now (a capture cannot copy tables)
@@ -182,18 +186,18 @@ def run(plan: ForwardPlan, path: str, key: tuple):
     hit = _runs.get(full)
     if hit is not None:
         return hit
-    io, beta_dtype, init, final, device = key
+    io, beta_dtype, init, final, device, group = key
     B, T, H = plan.shape
     if path == "fused":
         hit = FusedRun(plan.kda, H, plan.fused_schedule, plan.fused_summary, plan.merge_impl, io, beta_dtype, init,
-                       final, device)
+                       final, device, group)
     elif path == "overlap":
-        hit = OverlapRun(B, T, H, plan.kda, io, beta_dtype, init, final, device, sm_count(device))
+        hit = OverlapRun(B, T, H, plan.kda, io, beta_dtype, init, final, device, sm_count(device), group)
     else:
-        prep = PrepRun(prep_config(plan.kda, plan.prep_ctas_per_sm), B, T, H, plan.cu, io, beta_dtype, device,
+        prep = PrepRun(prep_config(plan.kda, plan.prep_ctas_per_sm, group), B, T, H, plan.cu, io, beta_dtype, device,
                        plan.prep_tile_counts)
         hit = TwoPhaseRun(prep, StateRun(plan.kda, not plan.kda, B, T, H, plan.cu, io, init, final, plan.segments,
-                                         plan.merge_impl, device))
+                                         plan.merge_impl, device, group=group if not plan.kda else 1))
     if len(_runs) > 256:
         _runs.clear()
     _runs[full] = hit

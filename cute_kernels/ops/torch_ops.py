@@ -27,9 +27,9 @@ def _no_state(q: Tensor) -> Tensor:
 
 def _linear_attention_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                            use_qk_l2norm_in_kernel):
-    B, _, H, K = q.shape
+    B, _, _, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    final = q.new_empty((N, H, K, v.shape[-1]), dtype=torch.float32) if output_final_state else _no_state(q)
+    final = q.new_empty((N, v.shape[2], K, v.shape[3]), dtype=torch.float32) if output_final_state else _no_state(q)
     return torch.empty_like(v), final
 
 

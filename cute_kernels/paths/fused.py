@@ -16,24 +16,26 @@ from .merge import MergeStarts
 
 class FusedRun:
     """The fused path of one configuration, built once: compiled kernels, tile tables on the device and, if
-    segmented, the merge. `run` launches, unchecked (the op has validated its inputs)."""
+    segmented, the merge. `run` launches, unchecked (the op has validated its inputs). `num_heads`: value heads
+    (the work tiles'); `group`: value heads per q / k head (GVA)."""
 
     poison = False   # tests: the summary buffer starts as NaN (an unwritten slot that is read shows)
 
     def __init__(self, kda: bool, num_heads: int, schedule: Schedule, summary: Schedule | None, merge_impl: str, io,
-                 beta_dtype, init: bool, final: bool, device):
+                 beta_dtype, init: bool, final: bool, device, group: int = 1):
         self.schedule, self.summary, self.init, self.device = schedule, summary, init, device
         self.num_heads = num_heads
         self.table = schedule.table_on(device)
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
         if summary is None:
-            self.fn = build_fused(FusedConfig(kda, "forward", init, final, schedule.persistent), io, beta_dtype).fn
+            self.fn = build_fused(FusedConfig(kda, "forward", init, final, schedule.persistent, group), io,
+                                  beta_dtype).fn
             return
         self.slots = schedule.segmentation.total_segments
-        self.summary_fn = (build_fused(FusedConfig(kda, "summary"), io, beta_dtype).fn if summary.num_tiles
-                           else None)
+        self.summary_fn = (build_fused(FusedConfig(kda, "summary", group=group), io, beta_dtype).fn
+                           if summary.num_tiles else None)
         self.summary_table = summary.table_on(device)
-        self.fn = build_fused(FusedConfig(kda, "segment_outputs", True, final), io, beta_dtype).fn
+        self.fn = build_fused(FusedConfig(kda, "segment_outputs", True, final, group=group), io, beta_dtype).fn
         n = len(schedule.seg_offsets) - 1
         offsets, _ = offsets_tensor("seg_offsets", schedule.seg_offsets, self.slots, device)
         self.merge = MergeStarts(merge_impl, n, num_heads, self.slots, offsets, init, device, pdl=False)

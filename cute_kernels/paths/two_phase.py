@@ -148,9 +148,9 @@ def problem_of(B, T, H, cu, num_blocks: int = 1) -> Problem:
     return Problem.varlen(list(cu), H, num_blocks=num_blocks)
 
 
-def prep_config(kda: bool, ctas_per_sm: int) -> PrepConfig:
+def prep_config(kda: bool, ctas_per_sm: int, group: int = 1) -> PrepConfig:
     """The plain path's phase 1: KDA's folded build, GDN's folded build at 2 or 3 CTAs per SM."""
-    return PrepConfig(kda=kda, terms="folded", ctas_per_sm=1 if kda else ctas_per_sm)
+    return PrepConfig(kda=kda, terms="folded", ctas_per_sm=1 if kda else ctas_per_sm, group=group)
 
 
 def allocate_terms(B, T, H, kda: bool, dtype, device, folded: bool = True, q=None, k=None, v=None) -> ChunkTerms:
@@ -243,7 +243,7 @@ class StateRun:
     poison = False   # tests: the summary buffer starts as NaN (an unwritten slot that is read shows)
 
     def __init__(self, kda: bool, token_factors: bool, B, T, H, cu, io, init: bool, final: bool, num_segments,
-                 merge_impl: str, device, pdl: bool = True):
+                 merge_impl: str, device, pdl: bool = True, group: int = 1):
         problem = problem_of(B, T, H, cu, num_blocks=2)
         counts = num_segments if isinstance(num_segments, tuple) else (num_segments,) * problem.num_seqs
         if len(counts) != problem.num_seqs:
@@ -256,7 +256,7 @@ class StateRun:
         self.launch = (schedule.table_on(device), schedule.num_tiles, schedule.grid[0], no_flags, 0)
         # an fp32 [1, 1, K, V] stand-in for a state the kernel neither reads nor writes (made here, not per call)
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
-        cfg = StateConfig(kda, "forward", init, final, token_factors, pdl=pdl)
+        cfg = StateConfig(kda, "forward", init, final, token_factors, pdl=pdl, group=group)
         if not self.split:
             self.fn = build_state_pass(cfg, io).fn
             return
@@ -301,7 +301,7 @@ class OverlapRun:
 
     poison = False   # tests: phase 1's outputs start as NaN
 
-    def __init__(self, B, T, H, kda, io, beta_dtype, init, final, device, sms):
+    def __init__(self, B, T, H, kda, io, beta_dtype, init, final, device, sms, group: int = 1):
         if not overlap_fits(B, H, sms):
             raise ValueError(f"overlapped path: {2 * B * H} state CTAs need at most half of the {sms} SMs")
         self.shape, self.kda, self.device = (B, T, H), kda, device
@@ -314,7 +314,8 @@ class OverlapRun:
         tiles = sorted(tiles, key=lambda t: (t.chunk_start, t.seq, t.head))   # chunk-major
         ctas = max(1, min(len(tiles), overlap_prep_ctas(sms, state.num_tiles)))
         prep = Schedule(tiles, (ctas, 1, 1), True, prep_seg, "prep-overlap")
-        self.prep_config = PrepConfig(kda=kda, terms="folded" if kda else "solved", ctas_per_sm=1, publish=True)
+        self.prep_config = PrepConfig(kda=kda, terms="folded" if kda else "solved", ctas_per_sm=1, publish=True,
+                                      group=group)
         self.prep_fn = build_prep(self.prep_config, io, beta_dtype).fn
         self.state_fn = build_state_pass(StateConfig(kda, "forward", init, final, consume=True), io).fn
         self.prep_launch = (prep.table_on(device), prep.num_tiles, ctas)

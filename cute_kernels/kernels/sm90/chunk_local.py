@@ -62,9 +62,10 @@ class ChunkLocalSm90:
         return tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor
 
     @cute.jit
-    def producer(self, sched, load, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, num_stages: int, load_v: bool = True):
+    def producer(self, sched, load, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, num_stages: int, load_v: bool = True,
+                 qk_group: int = 1):
         """The load warp: per chunk of every work tile, its head's q, k (and v) tiles [64 x 128] by TMA into a
-        `num_stages`-deep ring."""
+        `num_stages`-deep ring. GVA: the work tile's head is a value head; q and k are read at head // qk_group."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, num_stages)
         work = sched.initial_work()
         while work.is_valid:
@@ -73,11 +74,12 @@ class ChunkLocalSm90:
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
                 load.producer_acquire(state)
                 bar = load.producer_get_barrier(state)
-                tiles = ((tma_q, mQ, sQ), (tma_k, mK, sK), (tma_v, mV, sV))
+                tiles = ((tma_q, mQ, sQ, qk_group), (tma_k, mK, sK, qk_group), (tma_v, mV, sV, 1))
                 if cutlass.const_expr(not load_v):
                     tiles = tiles[:2]
-                for tma, m, s in tiles:
-                    g_head = cute.domain_offset((tok0 + c * C, 0), m[None, None, head])
+                for tma, m, s, group in tiles:
+                    h = head if group == 1 else head // group
+                    g_head = cute.domain_offset((tok0 + c * C, 0), m[None, None, h])
                     g_tile = cute.local_tile(g_head, (C, 128), (0, 0))
                     s_part, g_part = cpasync.tma_partition(
                         tma, 0, cute.make_layout(1),

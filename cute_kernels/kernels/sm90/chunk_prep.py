@@ -267,7 +267,8 @@ class ChunkPrepSm90:
         if cutlass.const_expr(self.compact):
             if warp_idx == 8:
                 self.local.producer(sched, load, tma_q, mQ, tma_k, mK, tma_v, mV, view(st.sQ, C, 128, ns),
-                                    view(st.sK, C, 128, ns), view(st.sV, C, 128, ns), ns, self.load_v)
+                                    view(st.sK, C, 128, ns), view(st.sV, C, 128, ns), ns, self.load_v,
+                                    self.config.group)
             else:
                 self.prep_consumer(sched, load, wg, tidx, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st,
                                    mFlags, chunks_per_seq, consumers, None)
@@ -276,7 +277,8 @@ class ChunkPrepSm90:
                 cute.arch.setmaxregister_decrease(40)
                 if warp_idx == 0:
                     self.local.producer(sched, load, tma_q, mQ, tma_k, mK, tma_v, mV, view(st.sQ, C, 128, ns),
-                                        view(st.sK, C, 128, ns), view(st.sV, C, 128, ns), ns, self.load_v)
+                                        view(st.sK, C, 128, ns), view(st.sV, C, 128, ns), ns, self.load_v,
+                                        self.config.group)
             else:
                 cute.arch.setmaxregister_increase(232)
                 self.prep_consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale,

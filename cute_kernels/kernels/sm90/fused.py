@@ -155,7 +155,8 @@ class ChunkedForwardSm90:
             if warp_idx == 0:
                 ns = self.num_stages
                 self.local.producer(sched, load, tma_q, mQ, tma_k, mK, tma_v, mV, self.local.view(st.sQ, C, 128, ns),
-                                    self.local.view(st.sK, C, 128, ns), self.local.view(st.sV, C, 128, ns), ns)
+                                    self.local.view(st.sK, C, 128, ns), self.local.view(st.sV, C, 128, ns), ns,
+                                    qk_group=self.config.group)
         else:
             cute.arch.setmaxregister_increase(232)
             self.consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, mO, mS0, mSN, scale, st)

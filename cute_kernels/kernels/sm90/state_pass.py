@@ -174,11 +174,12 @@ class ChunkStatePassSm90:
         if wg == 0:
             cute.arch.setmaxregister_decrease(40)
             if warp_idx == 0:
-                loads = ((tma_w, mW, sW, K_DIM, False),
-                         (tma_kg, mKg, wt.smem_view(st.sKg, io, C, K_DIM, ns), K_DIM, False),
-                         (tma_u, mU, sU, V_BLOCK, True))
+                qk = self.config.group   # token_factors under GVA: w and qg are the call's k and q
+                loads = ((tma_w, mW, sW, K_DIM, False, qk),
+                         (tma_kg, mKg, wt.smem_view(st.sKg, io, C, K_DIM, ns), K_DIM, False, 1),
+                         (tma_u, mU, sU, V_BLOCK, True, 1))
                 if cutlass.const_expr(self.outputs):
-                    loads = loads + ((tma_qg, mQg, sQg, K_DIM, False), (tma_a, mA, sA, C, False))
+                    loads = loads + ((tma_qg, mQg, sQg, K_DIM, False, qk), (tma_a, mA, sA, C, False, 1))
                 self.producer(sched, load, loads, mU.shape[1] // V_BLOCK, mEg, sEg, tidx % 32, mFlags,
                               chunks_per_seq)
         else:
@@ -188,8 +189,9 @@ class ChunkStatePassSm90:
 
     @cute.jit
     def producer(self, sched, load, loads, n_vb, mEg, sEg, lane, mFlags, chunks_per_seq):
-        """One chunk per ring stage: the tiles of `loads` ((atom, tensor, smem, columns, by_block): column tile = the
-        work tile's block if `by_block` (u), else 0; `n_vb`: u's column tiles) and the chunk's exp(G_last)
+        """One chunk per ring stage: the tiles of `loads` ((atom, tensor, smem, columns, by_block, group): column tile
+        = the work tile's block if `by_block` (u), else 0; head = the work tile's // group (GVA); `n_vb`: u's column
+        tiles) and the chunk's exp(G_last)
         (token_factors: its 64 + 64 row factors and decay) from `mEg` into the stage's column of `sEg`."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         work = sched.initial_work()
@@ -240,9 +242,10 @@ class ChunkStatePassSm90:
                 if lane == 0:
                     cute.arch.mbarrier_expect_tx(bar, self.tma_bytes)
                 cute.arch.mbarrier_arrive(bar)   # all 32 lanes (the barrier's count), each after its own stores
-                for tma, m, s, cols, by_block in loads:
+                for tma, m, s, cols, by_block, group in loads:
                     col_tile = blk if by_block else 0
-                    g_head = cute.domain_offset((tok0 + c * C, 0), m[None, None, head])
+                    h = head if group == 1 else head // group
+                    g_head = cute.domain_offset((tok0 + c * C, 0), m[None, None, h])
                     g_tile = cute.local_tile(g_head, (C, cols), (0, col_tile))
                     s_part, g_part = cpasync.tma_partition(
                         tma, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g_tile, 0, 2),

@@ -123,6 +123,13 @@ CPU_MUTANTS = [
     # -- torch.compile: the fake implementation must give the real outputs' shapes
     Mutant("fake output shape wrong", "chunked forward's fake (ops/torch_ops.py)", "cute_kernels/ops/torch_ops.py",
            "N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1", "N = B", ("tests/test_torch_ops.py",)),
+    # -- FLA's gate arguments, applied before the chunked kernels
+    Mutant("dt_bias ignored", "gate arguments (ops.linear_attention.gate_inputs)", OPS,
+           "            x = x + dt_bias.float().reshape((HV, -1) if kda else (HV,))", "            pass",
+           ("tests/test_gdn_sm90.py@gate_arguments_match",)),
+    Mutant("allow_neg_eigval ignored", "gate arguments (ops.linear_attention.gate_inputs)", OPS,
+           "beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)",
+           "beta = torch.sigmoid(beta.float())", ("tests/test_gdn_sm90.py@gate_arguments_match",)),
     # -- the decode step's spec: GVA's head map, the pool's -1
     Mutant("GVA heads tiled instead of grouped", "decode-step spec (reference.recurrent_step)", STEP_REF,
            "q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)",

@@ -255,6 +255,86 @@ def test_gva(kda, group, T, cu, path):
     assert rel_err(outs[0][1], want_s) <= 5e-3, rel_err(outs[0][1], want_s)
 
 
+def test_gate_arguments_errors_and_fla_order():
+    """FLA's gate arguments: errors name the argument; the positional order is FLA 0.6's (use_qk_l2norm_in_kernel
+    right after output_final_state)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g, beta = make_inputs(1, 8, 2, gen)
+    with pytest.raises(ValueError, match="A_log must be given"):
+        ck.chunk_gated_delta_rule(q, k, v, g, beta, use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="A_log must have HV = 2"):
+        ck.chunk_gated_delta_rule(q, k, v, g, beta, use_gate_in_kernel=True, A_log=torch.zeros(3))
+    with pytest.raises(ValueError, match="dt_bias must have 256 elements"):
+        ck.chunk_kda(q, k, v, g[..., None].expand(1, 8, 2, 128).contiguous(), beta, use_gate_in_kernel=True,
+                     A_log=torch.zeros(2), dt_bias=torch.zeros(2))
+    with pytest.raises(ValueError, match="allow_neg_eigval=True requires"):
+        ck.chunk_gated_delta_rule(q, k, v, g, beta, allow_neg_eigval=True)
+    with pytest.raises(NotImplementedError, match="state_v_first"):
+        ck.chunk_gated_delta_rule(q, k, v, g, beta, state_v_first=True)
+    with pytest.raises(NotImplementedError, match="use_graph"):
+        ck.chunk_kda(q, k, v, g[..., None].expand(1, 8, 2, 128).contiguous(), beta, use_graph=True)
+    import inspect
+    fla_order = ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
+                 "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first",
+                 "cu_seqlens"]
+    assert list(inspect.signature(ck.chunk_gated_delta_rule).parameters)[:len(fla_order)] == fla_order
+
+
+def test_gate_arguments_match_the_spec():
+    """The gate forms the ops apply before the kernels equal the decode step's float64 spec (FLA's formulas)."""
+    from cute_kernels.reference.recurrent_step import gate_values
+
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(2, 5, 3, 128, generator=gen)
+    beta = torch.randn(2, 5, 3, generator=gen)
+    A, bias = torch.randn(3, generator=gen), torch.randn(3 * 128, generator=gen)
+    for kda, lb in [(False, None), (True, None), (True, -5.0)]:
+        gk = g if kda else g[..., 0].contiguous()
+        b = bias if kda else bias[:3]
+        got_g, got_b = la.gate_inputs(gk, beta, kda, True, A, b, lb, True, True)
+        want = gate_values(gk.double(), kda, A.double(), b.double(), lb)
+        assert torch.allclose(got_g.double(), want, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(got_b, 2 * torch.sigmoid(beta))
+    same_g, same_b = la.gate_inputs(g, beta, True, False, None, None, None, False, False)
+    assert same_g is g and same_b is beta
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("form", ["gate", "gate_beta_neg", "lower_bound"])
+def test_gate_arguments_against_fla(kda, form, path):
+    """use_gate_in_kernel (A_log, dt_bias; KDA's lower_bound), use_beta_sigmoid_in_kernel and allow_neg_eigval:
+    ours against FLA with the same flags, and against the float64 reference on the transformed gates."""
+    if form == "lower_bound" and not kda:
+        pytest.skip("lower_bound is KDA's")
+    fla = import_peer("fla.ops.kda" if kda else "fla.ops.gated_delta_rule")
+    gen = torch.Generator().manual_seed(31 + kda)
+    dev = torch.device("cuda")
+    q, k, v, _, beta = make_inputs(2, 1000, 4, gen, dev, kda=kda)
+    g_raw = torch.randn((2, 1000, 4, 128) if kda else (2, 1000, 4), generator=gen).to(dev)
+    A_log = (torch.rand(4, generator=gen) * 2 - 3).to(dev)
+    dt_bias = (0.5 * torch.randn((4, 128) if kda else (4,), generator=gen)).to(dev)
+    kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    if form == "gate_beta_neg":
+        beta = torch.randn(2, 1000, 4, generator=gen).to(dev, q.dtype)
+        kw.update(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    if form == "lower_bound":
+        kw.update(lower_bound=-5.0)
+    init = initial_state(2, 4, gen, dev)
+    op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
+    g_log, b_used = la.gate_inputs(g_raw, beta, kda, True, A_log, dt_bias, kw.get("lower_bound"),
+                                   kw.get("use_beta_sigmoid_in_kernel", False), kw.get("allow_neg_eigval", False))
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g_log, b_used, initial_state=init,
+                                                   output_final_state=True)
+    o, s = la.forward(q, k, v, g_log, b_used, None, init, True, None, False, None, None, kda=kda, options=path)
+    o2, s2 = op(q, k, v, g_raw, beta, initial_state=init, output_final_state=True, **kw)
+    assert rel_err(o, want_o) <= 5e-3 and rel_err(s, want_s) <= 5e-3
+    assert rel_err(o2, want_o) <= 5e-3 and rel_err(s2, want_s) <= 5e-3   # the public call (the planner's path)
+    fla_op = fla.chunk_kda if kda else fla.chunk_gated_delta_rule
+    o_fla, s_fla = fla_op(q, k, v, g_raw, beta, initial_state=init, output_final_state=True, **kw)
+    assert rel_err(o, o_fla) <= 1e-2 and rel_err(s, s_fla) <= 1e-2
+
+
 @requires_sm90
 def test_gdn_against_fla(path):
     fla = import_peer("fla.ops.gated_delta_rule")

@@ -78,6 +78,19 @@ def test_compile_traces_the_custom_ops():
                                                     torch.tensor([5, 32], dtype=torch.int32))
 
 
+def test_compile_traces_the_gate_arguments():
+    """FLA's gate arguments are plain torch ops before the custom op: they trace with it (GVA shapes too)."""
+    def model(q, k, v, g, beta, A_log, dt_bias):
+        o, _ = ck.chunk_gated_delta_rule(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                         use_beta_sigmoid_in_kernel=True)
+        return o.float().sum()
+
+    q, k, _, _, _ = _linear_inputs(1, 64, 2)
+    v = torch.randn(1, 64, 4, 128, dtype=torch.bfloat16)
+    graph = _trace(model, q, k, v, torch.randn(1, 64, 4), torch.randn(1, 64, 4), torch.zeros(4), torch.zeros(4))
+    assert "cute_kernels.chunk_gated_delta_rule" in graph and "softplus" in graph and "sigmoid" in graph
+
+
 def test_compile_rejects_a_scheduler_and_grad():
     from schedulers import SegmentScheduler
 

@@ -73,30 +73,103 @@ CHECK_GATES = os.environ.get("CUTE_KERNELS_CHECK_GATES", "0") == "1"
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, scheduler=None, *, out=None):
-    """Gated delta rule forward (GDN: one log-decay per head and token), FLA 0.6 semantics.
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                           cp_context=None, *, use_gate_in_kernel=False, A_log=None, dt_bias=None, scheduler=None,
+                           out=None):
+    """Gated delta rule forward (GDN: one log-decay per value head and token), FLA 0.6's signature and semantics.
 
+    FLA's gate arguments: `use_gate_in_kernel` (g raw: g = -exp(A_log) softplus(g + dt_bias), A_log and dt_bias
+    [HV]), `use_beta_sigmoid_in_kernel` (beta a logit), `allow_neg_eigval` (2 sigmoid(beta)). `cu_seqlens_cpu`
+    (the same offsets on the host) saves the one host read of cu_seqlens. `chunk_indices` is accepted and unused;
+    `state_v_first` and `cp_context` raise (see `cute_kernels.distributed` for context parallel).
     `scheduler` (from `schedulers`) pins the fused kernel's work decomposition (default: the planner's path and
     split, `last_plan()` says which; eager calls only). `out=(o, final_state)` writes into given tensors
     (final_state may be None). Forward-only: an input that requires grad under grad mode raises. Under
     torch.compile the call is the custom op `torch.ops.cute_kernels.chunk_gated_delta_rule`. SM90 only for now.
     """
-    return forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                   use_qk_l2norm_in_kernel, scheduler, out, kda=False)
+    unsupported_arguments("chunk_gated_delta_rule", state_v_first=state_v_first, cp_context=cp_context)
+    g, beta = gate_inputs(g, beta, False, use_gate_in_kernel, A_log, dt_bias, None, use_beta_sigmoid_in_kernel,
+                          allow_neg_eigval)
+    return forward(q, k, v, g, beta, scale, initial_state, output_final_state,
+                   cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, use_qk_l2norm_in_kernel, scheduler,
+                   out, kda=False)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, use_qk_l2norm_in_kernel=False, scheduler=None, *, out=None):
-    """Kimi Delta Attention forward (one log-decay per key channel, g [B, T, H, K]), FLA 0.6 semantics.
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, scheduler=None,
+              out=None):
+    """Kimi Delta Attention forward (one log-decay per key channel, g [B, T, HV, K]), FLA 0.6's signature.
 
     Any g <= 0 is accepted: the intra-chunk products never exponentiate a positive number (see
-    cute_kernels/reference/kda_intra.py), so no lower bound is needed. g > 0 (growth, not decay) is outside the
-    contract of both ops; it is not checked by default because the check is a pass over g: set
+    cute_kernels/reference/kda_intra.py), so `safe_gate` changes nothing here. g > 0 (growth, not decay) is outside
+    the contract of both ops; it is not checked by default because the check is a pass over g: set
     CUTE_KERNELS_CHECK_GATES=1 to assert g <= 0 on the device (asynchronously, no host sync).
-    Same extra arguments as `chunk_gated_delta_rule`. SM90 only for now.
+    Gate arguments as FLA: `use_gate_in_kernel` (g = -exp(A_log) softplus(g + dt_bias), or with `lower_bound`
+    g = lower_bound sigmoid(exp(A_log) (g + dt_bias)); dt_bias [HV, K] or [HV * K]), `use_beta_sigmoid_in_kernel`,
+    `allow_neg_eigval`. `disable_recompute` (a training option) changes nothing; `return_intermediate_states`,
+    `use_graph`, `state_v_first` and `cp_context` raise. Other extra arguments as `chunk_gated_delta_rule`.
+    SM90 only for now.
     """
-    return forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                   use_qk_l2norm_in_kernel, scheduler, out, kda=True)
+    unsupported_arguments("chunk_kda", state_v_first=state_v_first, cp_context=cp_context,
+                          return_intermediate_states=return_intermediate_states, use_graph=use_graph)
+    g, beta = gate_inputs(g, beta, True, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
+                          allow_neg_eigval)
+    return forward(q, k, v, g, beta, scale, initial_state, output_final_state,
+                   cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, use_qk_l2norm_in_kernel, scheduler,
+                   out, kda=True)
+
+
+def unsupported_arguments(name: str, **flags) -> None:
+    """FLA arguments these ops do not implement: set, each raises, naming it."""
+    why = {"state_v_first": "states are [.., K, V]",
+           "cp_context": "FLA's context parallel; cute_kernels.distributed splits a sequence over ranks",
+           "return_intermediate_states": "per-chunk states are not kept",
+           "use_graph": "FLA's graph-mode varlen; our varlen reads cu_seqlens on the host once per call"}
+    for arg, value in flags.items():
+        if value is not None and value is not False:
+            raise NotImplementedError(f"{name}: {arg} is not supported ({why[arg]})")
+
+
+def gate_inputs(g, beta, kda: bool, use_gate_in_kernel: bool, A_log, dt_bias, lower_bound,
+                use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool):
+    """FLA's gate arguments applied to (g, beta) before the kernels (one elementwise pass each; g comes back fp32
+    when transformed). Without them, (g, beta) unchanged."""
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (as FLA)")
+    if use_gate_in_kernel:
+        check_tensor("g", g, dtypes=(torch.float32, torch.bfloat16, torch.float16), ndim=4 if kda else 3)
+        HV = g.shape[2]
+        if A_log is None and lower_bound is None:
+            raise ValueError("A_log must be given when use_gate_in_kernel=True" + (" (or lower_bound)" if kda else ""))
+        if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))
+                                        or lower_bound >= 0):
+            raise ValueError(f"lower_bound must be a negative number, got {lower_bound!r}")
+        x = g.float()
+        if dt_bias is not None:
+            check_tensor("dt_bias", dt_bias, dtypes=(torch.float32, torch.bfloat16, torch.float16), align=4)
+            want = HV * g.shape[3] if kda else HV
+            if dt_bias.numel() != want:
+                raise ValueError(f"dt_bias must have {want} elements ([HV{', K' if kda else ''}]), got shape "
+                                 f"{tuple(dt_bias.shape)}")
+            x = x + dt_bias.float().reshape((HV, -1) if kda else (HV,))
+        a = None
+        if A_log is not None:
+            check_tensor("A_log", A_log, dtypes=(torch.float32, torch.bfloat16, torch.float16), align=4)
+            if A_log.numel() != HV:
+                raise ValueError(f"A_log must have HV = {HV} elements, got shape {tuple(A_log.shape)}")
+            a = A_log.float().exp().reshape((HV, 1) if kda else (HV,))
+        if lower_bound is not None:
+            g = lower_bound * torch.sigmoid(x if a is None else a * x)
+        else:
+            g = -a * torch.nn.functional.softplus(x)
+    if use_beta_sigmoid_in_kernel:
+        check_tensor("beta", beta, dtypes=(torch.float32, torch.bfloat16, torch.float16), ndim=3, align=4)
+        beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
+    return g, beta
 
 
 _last: tuple | None = None   # (plan, path, capturing) of the last call

@@ -81,28 +81,55 @@ def compiled_call(op, name: str, tensors_and_values: tuple, scheduler, out):
     return tuple(dst if dst is not None else src for dst, src in zip(out, results))
 
 
-def _linear_attention(kda: bool):
+def _linear_attention_call(kda: bool, q, k, v, g, beta, scale, initial_state, output_final_state,
+                           use_qk_l2norm_in_kernel, cu_seqlens, scheduler, out):
+    """The custom op's outputs while torch.compile traces (gate arguments already applied)."""
     direct = _la.chunk_kda if kda else _la.chunk_gated_delta_rule
-    op = chunk_kda_op if kda else chunk_gated_delta_rule_op
-
-    @functools.wraps(direct)
-    def public(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-               use_qk_l2norm_in_kernel=False, scheduler=None, *, out=None):
-        if not torch.compiler.is_compiling():
-            return direct(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                          use_qk_l2norm_in_kernel, scheduler, out=out)
-        check_no_grad(direct.__name__, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-        o, final = compiled_call(op, direct.__name__,
-                                 (q, k, v, g, beta, None if scale is None else float(scale), initial_state,
-                                  bool(output_final_state), cu_seqlens, bool(use_qk_l2norm_in_kernel)), scheduler,
-                                 out)
-        return o, final if output_final_state else None
-
-    return public
+    check_no_grad(direct.__name__, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    o, final = compiled_call(chunk_kda_op if kda else chunk_gated_delta_rule_op, direct.__name__,
+                             (q, k, v, g, beta, None if scale is None else float(scale), initial_state,
+                              bool(output_final_state), cu_seqlens, bool(use_qk_l2norm_in_kernel)), scheduler, out)
+    return o, final if output_final_state else None
 
 
-chunk_gated_delta_rule = _linear_attention(False)
-chunk_kda = _linear_attention(True)
+@functools.wraps(_la.chunk_gated_delta_rule)
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                           cp_context=None, *, use_gate_in_kernel=False, A_log=None, dt_bias=None, scheduler=None,
+                           out=None):
+    if not torch.compiler.is_compiling():
+        return _la.chunk_gated_delta_rule(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+            cp_context, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, scheduler=scheduler,
+            out=out)
+    _la.unsupported_arguments("chunk_gated_delta_rule", state_v_first=state_v_first, cp_context=cp_context)
+    g, beta = _la.gate_inputs(g, beta, False, use_gate_in_kernel, A_log, dt_bias, None, use_beta_sigmoid_in_kernel,
+                              allow_neg_eigval)
+    return _linear_attention_call(False, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                  use_qk_l2norm_in_kernel, cu_seqlens, scheduler, out)
+
+
+@functools.wraps(_la.chunk_kda)
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, scheduler=None,
+              out=None):
+    if not torch.compiler.is_compiling():
+        return _la.chunk_kda(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
+            return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context, use_graph,
+            max_num_seqs, A_log=A_log, dt_bias=dt_bias, scheduler=scheduler, out=out)
+    _la.unsupported_arguments("chunk_kda", state_v_first=state_v_first, cp_context=cp_context,
+                              return_intermediate_states=return_intermediate_states, use_graph=use_graph)
+    g, beta = _la.gate_inputs(g, beta, True, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                              use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    return _linear_attention_call(True, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                  use_qk_l2norm_in_kernel, cu_seqlens, scheduler, out)
 
 
 @functools.wraps(_decode.decode_attention)

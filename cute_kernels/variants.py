@@ -45,7 +45,8 @@ def _variants() -> list[Variant]:
     import torch
 
     from .kernels.build import (build_affine_merge, build_decode, build_decode_fixup, build_fused, build_lse_merge,
-                                build_prep, build_recurrent_step, build_state_pass)
+                                build_prep, build_recurrent_step, build_state_pass,
+                                build_state_pool_copy)
     from .kernels.configs import DecodeConfig, FusedConfig, MergeConfig, PrepConfig, RecurrentConfig, StateConfig
 
     bf, f16, f32 = torch.bfloat16, torch.float16, torch.float32
@@ -156,6 +157,9 @@ def _variants() -> list[Variant]:
         need = ("bar.sync", "shfl.sync.bfly", "ex2.approx") + (("rsqrt.approx",) if cfg.l2norm else ())
         out.append(Variant("fused_recurrent", name, lambda d, c=cfg, io=io, gd=gd, bd=bd: build_recurrent_step(
             c, io, gd, bd, dump_dir=d), need, ANY))
+    for gather in (True, False):   # the chunked forward's state pool (every arch)
+        out.append(Variant("state_pool", f"state_pool_{'gather' if gather else 'scatter'}",
+                           lambda d, gather=gather: build_state_pool_copy(gather, dump_dir=d), (LD_GLOBAL_16B,), ANY))
     from schedulers.probe import probe_variants
 
     return out + probe_variants(Variant)

@@ -245,6 +245,11 @@ GPU_MUTANTS = [
     # -- GVA in the chunked forward
     Mutant("GVA: q / k read at the value head", "the q / k / v producer (chunk-local)", LOCAL,
            "h = head if group == 1 else head // group", "h = head", ("tests/test_gdn_sm90.py@gva and 1000",), True),
+    # -- the chunked forward's state pool
+    Mutant("pool index -1 read as slot 0", "state-pool gather", "cute_kernels/kernels/state_pool.py",
+           "                    buf.fill(0.0)",
+           "                    cute.autovec_copy(cute.local_tile(pool[0, head, r, None], (VEC,), (c,)), buf)",
+           ("tests/test_gdn_sm90.py@state_pool_in_place and 300",), True),
     # -- the recurrent decode step
     Mutant("GVA heads tiled instead of grouped", "recurrent step", STEP, "h = hv // cfg.group", "h = hv % cfg.group",
            ("tests/test_recurrent.py@kernel_matches_spec and weak",), True),

@@ -335,6 +335,88 @@ def test_gate_arguments_against_fla(kda, form, path):
     assert rel_err(o, o_fla) <= 1e-2 and rel_err(s, s_fla) <= 1e-2
 
 
+def test_state_pool_errors():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g, beta = make_inputs(2, 8, 2, gen)
+    idx = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="initial_state must be the state pool"):
+        ck.chunk_gated_delta_rule(q, k, v, g, beta, initial_state_indices=idx)
+    with pytest.raises(ValueError, match=r"the pool\) must be \[P, HV = 2"):
+        ck.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(5, 3, 128, 128),
+                                  initial_state_indices=idx)
+    with pytest.raises(ValueError, match=r"final_state_indices must be \[N = 2\]"):
+        ck.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(5, 2, 128, 128),
+                                  final_state_indices=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="initial_state_indices must have dtype"):
+        ck.chunk_kda(q, k, v, g[..., None].expand(2, 8, 2, 128).contiguous(), beta,
+                     initial_state=torch.zeros(5, 2, 128, 128), initial_state_indices=idx.long())
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("T,cu", [(300, None), (4100, None), (3000, [0, 1, 65, 65, 1000, 1063, 3000])],
+                         ids=["300", "4100", "varlen"])
+def test_state_pool_in_place(kda, T, cu, path):
+    """Start states from pool slots (one slot shared by two sequences, one -1: zeros), final states written in
+    place to other slots (one -1: not written); every other slot untouched."""
+    gen = torch.Generator().manual_seed(61 + kda + T)
+    dev = torch.device("cuda")
+    B = 3 if cu is None else 1
+    N = B if cu is None else len(cu) - 1
+    q, k, v, g, beta = make_inputs(B, T, 2, gen, dev, kda=kda, regime="weak")
+    pool = initial_state(2 * N + 2, 2, gen, dev)
+    init_idx = torch.tensor(([1, 1] + [-1] + list(range(3, N)))[:N], dtype=torch.int32, device=dev)
+    final_idx = torch.tensor(([N + 2, -1] + list(range(N + 3, 2 * N + 1)))[:N], dtype=torch.int32, device=dev)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+    start = torch.stack([pool[i] if i >= 0 else torch.zeros_like(pool[0]) for i in init_idx.tolist()])
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=start, output_final_state=True,
+                                                   cu_seqlens=cu_t)
+    mine = pool.clone()
+    o, returned = la.pooled_forward(q, k, v, g, beta, None, mine, True, cu_t, False, None, None, init_idx, final_idx,
+                                    kda=kda)
+    assert returned is mine
+    assert rel_err(o, want_o) <= 5e-3
+    written = {s: n for n, s in enumerate(final_idx.tolist()) if s >= 0}
+    for slot in range(pool.shape[0]):
+        if slot in written:
+            assert rel_err(mine[slot], want_s[written[slot]]) <= 5e-3
+        else:
+            assert torch.equal(mine[slot], pool[slot]), slot
+
+
+@requires_sm90
+def test_state_pool_graph_replay_with_new_slots():
+    """Captured once, replayed with new slot indices: the indices are read on the device only."""
+    gen = torch.Generator().manual_seed(5)
+    dev = torch.device("cuda")
+    q, k, v, g, beta = make_inputs(2, 256, 2, gen, dev, regime="weak")
+    pool = initial_state(6, 2, gen, dev)
+    idx_in = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    idx_out = torch.tensor([2, 3], dtype=torch.int32, device=dev)
+    o = torch.empty_like(v)
+    call = lambda: ck.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=pool, output_final_state=True,  # noqa
+                                             initial_state_indices=idx_in, final_state_indices=idx_out,
+                                             out=(o, None))
+    call()
+    saved = pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for ins, outs in [((4, -1), (0, 5)), ((3, 3), (1, 2))]:
+        pool.copy_(saved)
+        idx_in.copy_(torch.tensor(ins, dtype=torch.int32))
+        idx_out.copy_(torch.tensor(outs, dtype=torch.int32))
+        start = torch.stack([saved[i] if i >= 0 else torch.zeros_like(saved[0]) for i in ins])
+        want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=start,
+                                                       output_final_state=True)
+        o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(o, want_o) <= 5e-3
+        for n, slot in enumerate(outs):
+            assert rel_err(pool[slot], want_s[n]) <= 5e-3
+
+
 @requires_sm90
 def test_gdn_against_fla(path):
     fla = import_peer("fla.ops.gated_delta_rule")

@@ -91,6 +91,17 @@ def test_compile_traces_the_gate_arguments():
     assert "cute_kernels.chunk_gated_delta_rule" in graph and "softplus" in graph and "sigmoid" in graph
 
 
+def test_compile_traces_the_state_pool():
+    def model(q, k, v, g, beta, pool, idx):
+        o, _ = ck.chunk_kda(q, k, v, g, beta, initial_state=pool, initial_state_indices=idx, final_state_indices=idx)
+        return o.float().sum()
+
+    q, k, v, g, beta = _linear_inputs(2, 64, 2, kda=True)
+    graph = _trace(model, q, k, v, g, beta, torch.zeros(4, 2, 128, 128), torch.tensor([3, 0], dtype=torch.int32))
+    for op in ("state_pool_gather", "cute_kernels.chunk_kda", "state_pool_scatter"):
+        assert op in graph, op
+
+
 def test_compile_rejects_a_scheduler_and_grad():
     from schedulers import SegmentScheduler
 

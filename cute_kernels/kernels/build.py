@@ -255,3 +255,18 @@ def build_recurrent_step(config: RecurrentConfig, io_dtype: torch.dtype, g_dtype
 
     return compile_kernel(("recurrent_step", config, _name(io_dtype), _name(g_dtype), _name(beta_dtype)), build,
                           dump_dir=dump_dir)
+
+
+def build_state_pool_copy(gather: bool, dump_dir=None) -> Compiled:
+    """Pool gather / scatter of [.., 128, 128] fp32 states (every arch): (dense, pool, idx)."""
+
+    def build():
+        cutlass = import_cutlass()
+        from .state_pool import StatePoolCopy
+
+        f32, i32 = cutlass.Float32, cutlass.Int32
+        args = (fake_tensor(f32, (DYN, DYN, 128, 128)), fake_tensor(f32, (DYN, DYN, 128, 128)),
+                fake_tensor(i32, (DYN,), align=4), fake_stream())
+        return StatePoolCopy(gather), args
+
+    return compile_kernel(("state_pool_copy", gather), build, dump_dir=dump_dir)

@@ -17,6 +17,7 @@ from ..paths.two_phase import OverlapRun, PrepRun, StateRun, overlap_free, prep_
 from ..plan import ForwardPlan, PlanOptions, plan_forward
 from ..runtime.arch import device_arch, device_kind, sm_count
 from . import last
+from .state_pool import check_pool, gather_states, scatter_states
 
 IO_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (128,)
@@ -76,13 +77,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
                            cp_context=None, *, use_gate_in_kernel=False, A_log=None, dt_bias=None, scheduler=None,
-                           out=None):
+                           out=None, initial_state_indices=None, final_state_indices=None):
     """Gated delta rule forward (GDN: one log-decay per value head and token), FLA 0.6's signature and semantics.
 
     FLA's gate arguments: `use_gate_in_kernel` (g raw: g = -exp(A_log) softplus(g + dt_bias), A_log and dt_bias
     [HV]), `use_beta_sigmoid_in_kernel` (beta a logit), `allow_neg_eigval` (2 sigmoid(beta)). `cu_seqlens_cpu`
     (the same offsets on the host) saves the one host read of cu_seqlens. `chunk_indices` is accepted and unused;
     `state_v_first` and `cp_context` raise (see `cute_kernels.distributed` for context parallel).
+    State pool (`ops/state_pool.py`): with `initial_state_indices` / `final_state_indices` (int32 [N]),
+    `initial_state` is a pool [P, HV, K, V] read and written in place through them (-1: zero state / no write).
     `scheduler` (from `schedulers`) pins the fused kernel's work decomposition (default: the planner's path and
     split, `last_plan()` says which; eager calls only). `out=(o, final_state)` writes into given tensors
     (final_state may be None). Forward-only: an input that requires grad under grad mode raises. Under
@@ -91,9 +94,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     unsupported_arguments("chunk_gated_delta_rule", state_v_first=state_v_first, cp_context=cp_context)
     g, beta = gate_inputs(g, beta, False, use_gate_in_kernel, A_log, dt_bias, None, use_beta_sigmoid_in_kernel,
                           allow_neg_eigval)
-    return forward(q, k, v, g, beta, scale, initial_state, output_final_state,
-                   cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, use_qk_l2norm_in_kernel, scheduler,
-                   out, kda=False)
+    return pooled_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
+                          cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, use_qk_l2norm_in_kernel,
+                          scheduler, out, initial_state_indices, final_state_indices, kda=False)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -101,7 +104,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
               return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
               cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, scheduler=None,
-              out=None):
+              out=None, initial_state_indices=None, final_state_indices=None):
     """Kimi Delta Attention forward (one log-decay per key channel, g [B, T, HV, K]), FLA 0.6's signature.
 
     Any g <= 0 is accepted: the intra-chunk products never exponentiate a positive number (see
@@ -118,9 +121,33 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                           return_intermediate_states=return_intermediate_states, use_graph=use_graph)
     g, beta = gate_inputs(g, beta, True, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
                           allow_neg_eigval)
-    return forward(q, k, v, g, beta, scale, initial_state, output_final_state,
-                   cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, use_qk_l2norm_in_kernel, scheduler,
-                   out, kda=True)
+    return pooled_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
+                          cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, use_qk_l2norm_in_kernel,
+                          scheduler, out, initial_state_indices, final_state_indices, kda=True)
+
+
+def pooled_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                   scheduler, out, initial_state_indices, final_state_indices, *, kda: bool):
+    """`forward`, with the states through a pool when indices are given: the start states gathered from the
+    pool, the final states scattered back into it (returned: the pool itself)."""
+    if initial_state_indices is None and final_state_indices is None:
+        return forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                       use_qk_l2norm_in_kernel, scheduler, out, kda=kda)
+    check_tensor("q", q, dtypes=IO_DTYPES, ndim=4)
+    check_tensor("v", v, dtypes=(q.dtype,), ndim=4)
+    N = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+    HV = v.shape[2]
+    check_pool(initial_state, N, HV, initial_state_indices, final_state_indices)
+    if out is not None and out[1] is not None:
+        raise ValueError("out[final_state] must be None with a state pool: the final states go to the pool")
+    if out is not None and final_state_indices is not None:   # the final states' scratch, before the scatter
+        out = (out[0], torch.empty((N, HV, 128, 128), dtype=torch.float32, device=initial_state.device))
+    start = gather_states(initial_state, initial_state_indices) if initial_state_indices is not None else None
+    o, final = forward(q, k, v, g, beta, scale, start, final_state_indices is not None, cu_seqlens,
+                       use_qk_l2norm_in_kernel, scheduler, out, kda=kda)
+    if final_state_indices is not None:
+        scatter_states(final, initial_state, final_state_indices)
+    return o, initial_state if output_final_state else None
 
 
 def unsupported_arguments(name: str, **flags) -> None:

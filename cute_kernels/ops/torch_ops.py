@@ -19,6 +19,7 @@ from ..checks import check_no_grad
 from . import decode as _decode
 from . import linear_attention as _la
 from . import recurrent as _rec
+from . import state_pool as _pool
 
 
 def _no_state(q: Tensor) -> Tensor:
@@ -81,14 +82,44 @@ def compiled_call(op, name: str, tensors_and_values: tuple, scheduler, out):
     return tuple(dst if dst is not None else src for dst, src in zip(out, results))
 
 
+@torch.library.custom_op("cute_kernels::state_pool_gather", mutates_args=())
+def state_pool_gather_op(pool: Tensor, idx: Tensor) -> Tensor:
+    return _pool.gather_states(pool, idx)
+
+
+@state_pool_gather_op.register_fake
+def _state_pool_gather_fake(pool, idx):
+    return pool.new_empty((idx.shape[0],) + tuple(pool.shape[1:]))
+
+
+@torch.library.custom_op("cute_kernels::state_pool_scatter", mutates_args=("pool",))
+def state_pool_scatter_op(dense: Tensor, pool: Tensor, idx: Tensor) -> None:
+    _pool.scatter_states(dense, pool, idx)
+
+
 def _linear_attention_call(kda: bool, q, k, v, g, beta, scale, initial_state, output_final_state,
-                           use_qk_l2norm_in_kernel, cu_seqlens, scheduler, out):
-    """The custom op's outputs while torch.compile traces (gate arguments already applied)."""
+                           use_qk_l2norm_in_kernel, cu_seqlens, scheduler, out, initial_state_indices=None,
+                           final_state_indices=None):
+    """The custom ops' outputs while torch.compile traces (gate arguments already applied); a state pool through
+    the gather and scatter ops around the forward."""
     direct = _la.chunk_kda if kda else _la.chunk_gated_delta_rule
     check_no_grad(direct.__name__, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    pool = None
+    if initial_state_indices is not None or final_state_indices is not None:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        _pool.check_pool(initial_state, N, v.shape[2], initial_state_indices, final_state_indices)
+        pool, output_pool = initial_state, output_final_state
+        initial_state = (state_pool_gather_op(pool, initial_state_indices) if initial_state_indices is not None
+                         else None)
+        output_final_state = final_state_indices is not None
+        out = None if out is None else (out[0], None)
     o, final = compiled_call(chunk_kda_op if kda else chunk_gated_delta_rule_op, direct.__name__,
                              (q, k, v, g, beta, None if scale is None else float(scale), initial_state,
                               bool(output_final_state), cu_seqlens, bool(use_qk_l2norm_in_kernel)), scheduler, out)
+    if pool is not None:
+        if final_state_indices is not None:
+            state_pool_scatter_op(final, pool, final_state_indices)
+        return o, pool if output_pool else None
     return o, final if output_final_state else None
 
 
@@ -97,18 +128,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
                            cp_context=None, *, use_gate_in_kernel=False, A_log=None, dt_bias=None, scheduler=None,
-                           out=None):
+                           out=None, initial_state_indices=None, final_state_indices=None):
     if not torch.compiler.is_compiling():
         return _la.chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_indices,
             cp_context, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, scheduler=scheduler,
-            out=out)
+            out=out, initial_state_indices=initial_state_indices, final_state_indices=final_state_indices)
     _la.unsupported_arguments("chunk_gated_delta_rule", state_v_first=state_v_first, cp_context=cp_context)
     g, beta = _la.gate_inputs(g, beta, False, use_gate_in_kernel, A_log, dt_bias, None, use_beta_sigmoid_in_kernel,
                               allow_neg_eigval)
     return _linear_attention_call(False, q, k, v, g, beta, scale, initial_state, output_final_state,
-                                  use_qk_l2norm_in_kernel, cu_seqlens, scheduler, out)
+                                  use_qk_l2norm_in_kernel, cu_seqlens, scheduler, out, initial_state_indices,
+                                  final_state_indices)
 
 
 @functools.wraps(_la.chunk_kda)
@@ -117,19 +149,21 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
               return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
               cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, scheduler=None,
-              out=None):
+              out=None, initial_state_indices=None, final_state_indices=None):
     if not torch.compiler.is_compiling():
         return _la.chunk_kda(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
             use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
             return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context, use_graph,
-            max_num_seqs, A_log=A_log, dt_bias=dt_bias, scheduler=scheduler, out=out)
+            max_num_seqs, A_log=A_log, dt_bias=dt_bias, scheduler=scheduler, out=out,
+            initial_state_indices=initial_state_indices, final_state_indices=final_state_indices)
     _la.unsupported_arguments("chunk_kda", state_v_first=state_v_first, cp_context=cp_context,
                               return_intermediate_states=return_intermediate_states, use_graph=use_graph)
     g, beta = _la.gate_inputs(g, beta, True, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                               use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return _linear_attention_call(True, q, k, v, g, beta, scale, initial_state, output_final_state,
-                                  use_qk_l2norm_in_kernel, cu_seqlens, scheduler, out)
+                                  use_qk_l2norm_in_kernel, cu_seqlens, scheduler, out, initial_state_indices,
+                                  final_state_indices)
 
 
 @functools.wraps(_decode.decode_attention)

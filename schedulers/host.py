@@ -87,6 +87,24 @@ class SequenceScheduler:
         return Schedule(tiles, (max(1, len(tiles)), 1, 1), False, seg, self.name)
 
 
+def sequence_table_on_device(cu_seqlens, num_heads: int, chunk_size: int = 64):
+    """`SequenceScheduler`'s tile table (one tile per (sequence, head), whole sequence, block 0) built on the device
+    from `cu_seqlens` ([N + 1] int32 / int64 tensor) with torch ops of static sizes: nothing is read on the host, so
+    a CUDA graph that captured it replays with new lengths. [N x num_heads, NUM_TILE_FIELDS] int32."""
+    import torch
+
+    cu = cu_seqlens.to(torch.int32)
+    n_seqs = cu.shape[0] - 1
+    seq = torch.arange(n_seqs, dtype=torch.int32, device=cu.device).repeat_interleave(num_heads)
+    head = torch.arange(num_heads, dtype=torch.int32, device=cu.device).repeat(n_seqs)
+    start, end = cu[:-1].repeat_interleave(num_heads), cu[1:].repeat_interleave(num_heads)
+    chunks = torch.div(end - start + chunk_size - 1, chunk_size, rounding_mode="floor")
+    zero, one = torch.zeros_like(seq), torch.ones_like(seq)
+    fields = {"seq": seq, "head": head, "block": zero, "segment": zero, "num_segments": one, "seg_slot": seq,
+              "chunk_start": zero, "chunk_end": chunks, "tok_start": start, "tok_end": end}
+    return torch.stack([fields[f] for f in TILE_FIELDS], dim=1).contiguous()
+
+
 class SegmentScheduler:
     """Each (sequence, head, block) cut along T into segments on chunk boundaries; one CTA per segment.
     `num_segments=None` lets `plan_segments` decide per call (needs `sm_count`), or `plan_segments_by_cost` when a

@@ -130,6 +130,10 @@ CPU_MUTANTS = [
     Mutant("allow_neg_eigval ignored", "gate arguments (ops.linear_attention.gate_inputs)", OPS,
            "beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)",
            "beta = torch.sigmoid(beta.float())", ("tests/test_gdn_sm90.py@gate_arguments_match",)),
+    # -- graph-mode varlen: the tile table built on the device
+    Mutant("last partial chunk dropped from the device table", "schedulers.host.sequence_table_on_device",
+           "schedulers/host.py", "torch.div(end - start + chunk_size - 1, chunk_size",
+           "torch.div(end - start, chunk_size", ("tests/test_gdn_sm90.py@device_table",)),
     # -- the decode step's spec: GVA's head map, the pool's -1
     Mutant("GVA heads tiled instead of grouped", "decode-step spec (reference.recurrent_step)", STEP_REF,
            "q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)",

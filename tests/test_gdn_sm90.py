@@ -271,8 +271,12 @@ def test_gate_arguments_errors_and_fla_order():
         ck.chunk_gated_delta_rule(q, k, v, g, beta, allow_neg_eigval=True)
     with pytest.raises(NotImplementedError, match="state_v_first"):
         ck.chunk_gated_delta_rule(q, k, v, g, beta, state_v_first=True)
-    with pytest.raises(NotImplementedError, match="use_graph"):
-        ck.chunk_kda(q, k, v, g[..., None].expand(1, 8, 2, 128).contiguous(), beta, use_graph=True)
+    with pytest.raises(ValueError, match="use_graph=True needs cu_seqlens on the GPU"):
+        ck.chunk_kda(q, k, v, g[..., None].expand(1, 8, 2, 128).contiguous(), beta, use_graph=True,
+                     cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="return_intermediate_states"):
+        ck.chunk_kda(q, k, v, g[..., None].expand(1, 8, 2, 128).contiguous(), beta,
+                     return_intermediate_states=True)
     import inspect
     fla_order = ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
                  "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first",
@@ -415,6 +419,55 @@ def test_state_pool_graph_replay_with_new_slots():
         assert rel_err(o, want_o) <= 5e-3
         for n, slot in enumerate(outs):
             assert rel_err(pool[slot], want_s[n]) <= 5e-3
+
+
+def test_device_table_matches_the_sequence_scheduler():
+    """The graph mode's tile table, built with torch ops from cu_seqlens, is SequenceScheduler's (CPU)."""
+    from schedulers import Problem, SequenceScheduler
+    from schedulers.host import sequence_table_on_device
+
+    cu = [0, 1, 65, 65, 1000, 1063, 3000, 3000]
+    want = SequenceScheduler().schedule(Problem.varlen(cu, 3)).table()
+    got = sequence_table_on_device(torch.tensor(cu), 3)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
+@requires_sm90
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_graph_varlen_replays_with_new_lengths(kda):
+    """use_graph=True: captured once with some lengths, replayed with others (cu_seqlens padded to max_num_seqs + 1
+    with zero-length sequences); each replay against the reference. Also the eager call, and GVA."""
+    gen = torch.Generator().manual_seed(71 + kda)
+    dev = torch.device("cuda")
+    T, S = 2000, 5
+    _, _, v, g, beta = make_inputs(1, T, 4, gen, dev, kda=kda, regime="weak")
+    q, k, _, _, _ = make_inputs(1, T, 2, gen, dev)
+    init = initial_state(S, 4, gen, dev)
+    cu = torch.tensor([0, 700, 700, 1500, 2000, 2000], dtype=torch.int32, device=dev)
+    o = torch.empty_like(v)
+    final = torch.empty(S, 4, 128, 128, device=dev)
+    op = ck.chunk_kda if kda else ck.chunk_gated_delta_rule
+    call = lambda: op(q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cu,  # noqa: E731
+                      use_graph=True, max_num_seqs=S, out=(o, final))
+    rep = lambda x: x.repeat_interleave(2, dim=2)   # noqa: E731
+
+    def check(offsets):
+        cu_ref = torch.tensor(offsets, dtype=torch.int32, device=dev)
+        want_o, want_s = ref.chunk_gated_delta_rule_ref(rep(q), rep(k), v, g, beta, initial_state=init,
+                                                       output_final_state=True, cu_seqlens=cu_ref)
+        assert rel_err(o, want_o) <= 5e-3 and rel_err(final, want_s) <= 5e-3
+
+    call()
+    check(cu.tolist())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for offsets in ([0, 64, 100, 1999, 2000, 2000], [0, 2000, 2000, 2000, 2000, 2000], [0, 1, 2, 3, 4, 2000]):
+        cu.copy_(torch.tensor(offsets, dtype=torch.int32))
+        o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(offsets)
 
 
 @requires_sm90

@@ -12,7 +12,7 @@ import os
 import torch
 
 from ..checks import check_cuda, check_no_grad, check_shape, check_tensor
-from ..paths.fused import FusedRun
+from ..paths.fused import DeviceTableRun, FusedRun
 from ..paths.two_phase import OverlapRun, PrepRun, StateRun, overlap_free, prep_config
 from ..plan import ForwardPlan, PlanOptions, plan_forward
 from ..runtime.arch import device_arch, device_kind, sm_count
@@ -23,7 +23,7 @@ IO_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (128,)
 
 
-def validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda: bool, scale):
+def validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda: bool, scale, read_cu: bool = True):
     """Check everything on the host; returns (B, T, HV, K, V, N, cu, group) with HV the value heads (GVA: v, g,
     beta and the states have HV = group x H heads, q and k H), cu the cu_seqlens values as a tuple (or None).
     Every error names the argument."""
@@ -44,6 +44,7 @@ def validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda: bool, scal
     check_shape("beta", beta, (B, T, HV))
     if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    N, cu = B, None
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, torch.Tensor):
             raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
@@ -52,15 +53,15 @@ def validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda: bool, scal
                             f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
         if B != 1:
             raise ValueError(f"cu_seqlens needs B == 1 (packed sequences), got B={B}")
-        vals = cu_seqlens.tolist()  # one host read: the schedule is built from the lengths anyway
-        if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])) or vals[-1] != T:
-            raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got "
-                             f"{vals[:6]}{'...' if len(vals) > 6 else ''}")
-        N = len(vals) - 1
-        cu = tuple(vals)
-    else:
-        N = B
-        cu = None
+        N = cu_seqlens.numel() - 1
+        if read_cu:
+            vals = cu_seqlens.tolist()  # one host read: the schedule is built from the lengths anyway
+            if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])) or vals[-1] != T:
+                raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got "
+                                 f"{vals[:6]}{'...' if len(vals) > 6 else ''}")
+            cu = tuple(vals)
+        elif not cu_seqlens.is_cuda:   # graph mode: the offsets stay on the device, where the kernels read them
+            raise ValueError("use_graph=True needs cu_seqlens on the GPU (it is never read on the host)")
     if initial_state is not None:
         check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4)
         check_shape("initial_state", initial_state, (N, HV, K, V))
@@ -77,7 +78,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
                            cp_context=None, *, use_gate_in_kernel=False, A_log=None, dt_bias=None, scheduler=None,
-                           out=None, initial_state_indices=None, final_state_indices=None):
+                           out=None, initial_state_indices=None, final_state_indices=None, use_graph=False,
+                           max_num_seqs=None):
     """Gated delta rule forward (GDN: one log-decay per value head and token), FLA 0.6's signature and semantics.
 
     FLA's gate arguments: `use_gate_in_kernel` (g raw: g = -exp(A_log) softplus(g + dt_bias), A_log and dt_bias
@@ -86,6 +88,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     `state_v_first` and `cp_context` raise (see `cute_kernels.distributed` for context parallel).
     State pool (`ops/state_pool.py`): with `initial_state_indices` / `final_state_indices` (int32 [N]),
     `initial_state` is a pool [P, HV, K, V] read and written in place through them (-1: zero state / no write).
+    `use_graph=True` (cu_seqlens on the GPU, padded with zero-length sequences to `max_num_seqs` + 1 entries):
+    cu_seqlens is never read on the host, so a captured call replays with new lengths (the fused kernel, one CTA
+    per (sequence, head), no segments).
     `scheduler` (from `schedulers`) pins the fused kernel's work decomposition (default: the planner's path and
     split, `last_plan()` says which; eager calls only). `out=(o, final_state)` writes into given tensors
     (final_state may be None). Forward-only: an input that requires grad under grad mode raises. Under
@@ -95,8 +100,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     g, beta = gate_inputs(g, beta, False, use_gate_in_kernel, A_log, dt_bias, None, use_beta_sigmoid_in_kernel,
                           allow_neg_eigval)
     return pooled_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
-                          cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, use_qk_l2norm_in_kernel,
-                          scheduler, out, initial_state_indices, final_state_indices, kda=False)
+                          cu_seqlens_cpu if cu_seqlens_cpu is not None and not use_graph else cu_seqlens, use_qk_l2norm_in_kernel,
+                          scheduler, out, initial_state_indices, final_state_indices, kda=False,
+                          use_graph=use_graph, max_num_seqs=max_num_seqs)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -113,26 +119,29 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     CUTE_KERNELS_CHECK_GATES=1 to assert g <= 0 on the device (asynchronously, no host sync).
     Gate arguments as FLA: `use_gate_in_kernel` (g = -exp(A_log) softplus(g + dt_bias), or with `lower_bound`
     g = lower_bound sigmoid(exp(A_log) (g + dt_bias)); dt_bias [HV, K] or [HV * K]), `use_beta_sigmoid_in_kernel`,
-    `allow_neg_eigval`. `disable_recompute` (a training option) changes nothing; `return_intermediate_states`,
-    `use_graph`, `state_v_first` and `cp_context` raise. Other extra arguments as `chunk_gated_delta_rule`.
+    `allow_neg_eigval`. `disable_recompute` (a training option) changes nothing; `use_graph` / `max_num_seqs` as
+    `chunk_gated_delta_rule`; `return_intermediate_states`, `state_v_first` and `cp_context` raise. Other extra arguments as `chunk_gated_delta_rule`.
     SM90 only for now.
     """
     unsupported_arguments("chunk_kda", state_v_first=state_v_first, cp_context=cp_context,
-                          return_intermediate_states=return_intermediate_states, use_graph=use_graph)
+                          return_intermediate_states=return_intermediate_states)
     g, beta = gate_inputs(g, beta, True, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
                           allow_neg_eigval)
     return pooled_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
-                          cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, use_qk_l2norm_in_kernel,
-                          scheduler, out, initial_state_indices, final_state_indices, kda=True)
+                          cu_seqlens_cpu if cu_seqlens_cpu is not None and not use_graph else cu_seqlens, use_qk_l2norm_in_kernel,
+                          scheduler, out, initial_state_indices, final_state_indices, kda=True,
+                          use_graph=use_graph, max_num_seqs=max_num_seqs)
 
 
 def pooled_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                   scheduler, out, initial_state_indices, final_state_indices, *, kda: bool):
+                   scheduler, out, initial_state_indices, final_state_indices, *, kda: bool, use_graph: bool = False,
+                   max_num_seqs: int | None = None):
     """`forward`, with the states through a pool when indices are given: the start states gathered from the
     pool, the final states scattered back into it (returned: the pool itself)."""
     if initial_state_indices is None and final_state_indices is None:
         return forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                       use_qk_l2norm_in_kernel, scheduler, out, kda=kda)
+                       use_qk_l2norm_in_kernel, scheduler, out, kda=kda, use_graph=use_graph,
+                       max_num_seqs=max_num_seqs)
     check_tensor("q", q, dtypes=IO_DTYPES, ndim=4)
     check_tensor("v", v, dtypes=(q.dtype,), ndim=4)
     N = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
@@ -144,7 +153,8 @@ def pooled_forward(q, k, v, g, beta, scale, initial_state, output_final_state, c
         out = (out[0], torch.empty((N, HV, 128, 128), dtype=torch.float32, device=initial_state.device))
     start = gather_states(initial_state, initial_state_indices) if initial_state_indices is not None else None
     o, final = forward(q, k, v, g, beta, scale, start, final_state_indices is not None, cu_seqlens,
-                       use_qk_l2norm_in_kernel, scheduler, out, kda=kda)
+                       use_qk_l2norm_in_kernel, scheduler, out, kda=kda, use_graph=use_graph,
+                       max_num_seqs=max_num_seqs)
     if final_state_indices is not None:
         scatter_states(final, initial_state, final_state_indices)
     return o, initial_state if output_final_state else None
@@ -154,8 +164,7 @@ def unsupported_arguments(name: str, **flags) -> None:
     """FLA arguments these ops do not implement: set, each raises, naming it."""
     why = {"state_v_first": "states are [.., K, V]",
            "cp_context": "FLA's context parallel; cute_kernels.distributed splits a sequence over ranks",
-           "return_intermediate_states": "per-chunk states are not kept",
-           "use_graph": "FLA's graph-mode varlen; our varlen reads cu_seqlens on the host once per call"}
+           "return_intermediate_states": "per-chunk states are not kept"}
     for arg, value in flags.items():
         if value is not None and value is not False:
             raise NotImplementedError(f"{name}: {arg} is not supported ({why[arg]})")
@@ -214,13 +223,21 @@ def explain_last() -> str | None:
 
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-            scheduler, out, *, kda: bool, options: PlanOptions | None = None):
-    """The ops' common forward: validate, plan (cached), run. `options` pins the planner's choices (tests)."""
+            scheduler, out, *, kda: bool, options: PlanOptions | None = None, use_graph: bool = False,
+            max_num_seqs: int | None = None):
+    """The ops' common forward: validate, plan (cached), run. `options` pins the planner's choices (tests).
+    `use_graph` with cu_seqlens: cu_seqlens is never read on the host (`DeviceTableRun`)."""
     global _last
     name = "chunk_kda" if kda else "chunk_gated_delta_rule"
     check_no_grad(name, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    graph_varlen = use_graph and cu_seqlens is not None
     B, T, H, K, V, N, cu, group = validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda=kda,
-                                                  scale=scale)   # H: value heads (the work tiles')
+                                                  scale=scale, read_cu=not graph_varlen)   # H: value heads
+    if graph_varlen and max_num_seqs is not None and N != max_num_seqs:
+        raise ValueError(f"use_graph=True: cu_seqlens must have max_num_seqs + 1 = {max_num_seqs + 1} entries (pad "
+                         f"with zero-length sequences), got {N + 1}")
+    if graph_varlen and scheduler is not None:
+        raise ValueError("use_graph=True plans on the device: scheduler= cannot pin a split there")
     device = q.device
     if device_arch(device) != "sm_90a":
         raise NotImplementedError(f"{name} runs on SM90 (Hopper) only for now, got {device_arch(device)}")
@@ -246,6 +263,15 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if CHECK_GATES:
         torch._assert_async((g <= 0).all(), "g must be <= 0 (a log decay)")
     g32 = g if g.dtype == torch.float32 else g.float()
+    if graph_varlen:
+        key = ("device_table", kda, H, q.dtype, beta.dtype, init, final is not None, device, group)
+        runner = _runs.get(key)
+        if runner is None:
+            runner = _runs[key] = DeviceTableRun(kda, H, q.dtype, beta.dtype, init, final is not None, device, group)
+        last.record(lambda: "use_graph varlen: the fused kernel, one CTA per (sequence, head), its tile table built "
+                            "on the device from cu_seqlens (no host read)")
+        runner.run(q, k, v, g32, beta, scale, initial_state, o, final, cu_seqlens)
+        return o, final if output_final_state else None
     plan = plan_forward(kda, B, T, H, cu, init, sm_count(device), device_kind(device), scheduler, options)
     capturing = is_capturing(device)
     path = plan.path(capturing)

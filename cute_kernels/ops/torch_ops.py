@@ -27,7 +27,7 @@ def _no_state(q: Tensor) -> Tensor:
 
 
 def _linear_attention_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                           use_qk_l2norm_in_kernel):
+                           use_qk_l2norm_in_kernel, use_graph=False):
     B, _, _, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final = q.new_empty((N, v.shape[2], K, v.shape[3]), dtype=torch.float32) if output_final_state else _no_state(q)
@@ -39,9 +39,9 @@ def _linear_attention_op(kda: bool):
 
     def impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
              initial_state: Optional[Tensor], output_final_state: bool, cu_seqlens: Optional[Tensor],
-             use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor]:
+             use_qk_l2norm_in_kernel: bool, use_graph: bool = False) -> tuple[Tensor, Tensor]:
         o, final = _la.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                               use_qk_l2norm_in_kernel, None, None, kda=kda)
+                               use_qk_l2norm_in_kernel, None, None, kda=kda, use_graph=use_graph)
         return o, final if final is not None else _no_state(q)
 
     name = "chunk_kda" if kda else "chunk_gated_delta_rule"
@@ -99,7 +99,7 @@ def state_pool_scatter_op(dense: Tensor, pool: Tensor, idx: Tensor) -> None:
 
 def _linear_attention_call(kda: bool, q, k, v, g, beta, scale, initial_state, output_final_state,
                            use_qk_l2norm_in_kernel, cu_seqlens, scheduler, out, initial_state_indices=None,
-                           final_state_indices=None):
+                           final_state_indices=None, use_graph=False):
     """The custom ops' outputs while torch.compile traces (gate arguments already applied); a state pool through
     the gather and scatter ops around the forward."""
     direct = _la.chunk_kda if kda else _la.chunk_gated_delta_rule
@@ -115,7 +115,8 @@ def _linear_attention_call(kda: bool, q, k, v, g, beta, scale, initial_state, ou
         out = None if out is None else (out[0], None)
     o, final = compiled_call(chunk_kda_op if kda else chunk_gated_delta_rule_op, direct.__name__,
                              (q, k, v, g, beta, None if scale is None else float(scale), initial_state,
-                              bool(output_final_state), cu_seqlens, bool(use_qk_l2norm_in_kernel)), scheduler, out)
+                              bool(output_final_state), cu_seqlens, bool(use_qk_l2norm_in_kernel), bool(use_graph)),
+                             scheduler, out)
     if pool is not None:
         if final_state_indices is not None:
             state_pool_scatter_op(final, pool, final_state_indices)
@@ -128,19 +129,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
                            cp_context=None, *, use_gate_in_kernel=False, A_log=None, dt_bias=None, scheduler=None,
-                           out=None, initial_state_indices=None, final_state_indices=None):
+                           out=None, initial_state_indices=None, final_state_indices=None, use_graph=False,
+                           max_num_seqs=None):
     if not torch.compiler.is_compiling():
         return _la.chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_indices,
             cp_context, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, scheduler=scheduler,
-            out=out, initial_state_indices=initial_state_indices, final_state_indices=final_state_indices)
+            out=out, initial_state_indices=initial_state_indices, final_state_indices=final_state_indices,
+            use_graph=use_graph, max_num_seqs=max_num_seqs)
     _la.unsupported_arguments("chunk_gated_delta_rule", state_v_first=state_v_first, cp_context=cp_context)
     g, beta = _la.gate_inputs(g, beta, False, use_gate_in_kernel, A_log, dt_bias, None, use_beta_sigmoid_in_kernel,
                               allow_neg_eigval)
     return _linear_attention_call(False, q, k, v, g, beta, scale, initial_state, output_final_state,
                                   use_qk_l2norm_in_kernel, cu_seqlens, scheduler, out, initial_state_indices,
-                                  final_state_indices)
+                                  final_state_indices, use_graph)
 
 
 @functools.wraps(_la.chunk_kda)
@@ -158,12 +161,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             max_num_seqs, A_log=A_log, dt_bias=dt_bias, scheduler=scheduler, out=out,
             initial_state_indices=initial_state_indices, final_state_indices=final_state_indices)
     _la.unsupported_arguments("chunk_kda", state_v_first=state_v_first, cp_context=cp_context,
-                              return_intermediate_states=return_intermediate_states, use_graph=use_graph)
+                              return_intermediate_states=return_intermediate_states)
     g, beta = _la.gate_inputs(g, beta, True, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                               use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return _linear_attention_call(True, q, k, v, g, beta, scale, initial_state, output_final_state,
                                   use_qk_l2norm_in_kernel, cu_seqlens, scheduler, out, initial_state_indices,
-                                  final_state_indices)
+                                  final_state_indices, use_graph)
 
 
 @functools.wraps(_decode.decode_attention)

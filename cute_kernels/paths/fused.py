@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from schedulers import Schedule
+from schedulers.host import sequence_table_on_device
 
 from ..checks import offsets_tensor
 from ..kernels.build import build_fused
@@ -55,3 +56,20 @@ class FusedRun:
                             self.summary.grid[0], scale)
         starts = self.merge.run(summary[self.slots:], summary[:self.slots], initial_state)
         self.fn(*args, starts, dummy, self.table, s.num_tiles, s.num_tiles, scale)
+
+
+class DeviceTableRun:
+    """The fused path for graph-capturable varlen calls: the tile table (one tile per (sequence, head), whole
+    sequences) is built on the device from `cu_seqlens` at every call, so nothing of a call is read on the host and
+    a captured call replays with new lengths. No segments: each (sequence, head) is one CTA's walk."""
+
+    def __init__(self, kda: bool, num_heads: int, io, beta_dtype, init: bool, final: bool, device, group: int = 1):
+        self.num_heads, self.init = num_heads, init
+        self.fn = build_fused(FusedConfig(kda, "forward", init, final, False, group), io, beta_dtype).fn
+        self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
+
+    def run(self, q, k, v, g32, beta, scale: float, initial_state, o, final, cu_seqlens):
+        table = sequence_table_on_device(cu_seqlens, self.num_heads)
+        tiles = table.shape[0]
+        dummy = final if final is not None else self.dummy
+        self.fn(q, k, v, g32, beta, o, initial_state if self.init else dummy, dummy, table, tiles, tiles, scale)

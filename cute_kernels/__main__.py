@@ -19,7 +19,7 @@ def cmd_compile(args) -> int:
         print("error: cutlass was imported before the arch was set", file=sys.stderr)
         return 2
     os.environ["CUTE_DSL_ARCH"] = args.arch
-    from .runtime.compile import cubin_register_counts
+    from .runtime.compile import cubin_register_counts, cubin_resource_usage
     from .variants import all_variants
 
     variants = [v for v in all_variants(args.arch) if args.op in (None, v.op)]
@@ -35,12 +35,12 @@ def cmd_compile(args) -> int:
                 compiled = v.compile(tmp)
             except Exception as e:  # report every variant, then fail
                 failures += 1
-                rows.append((v.name, args.arch, "-", "-", f"FAILED: {type(e).__name__}: {str(e)[:200]}"))
+                rows.append((v.name, args.arch, "-", "-", "-", f"FAILED: {type(e).__name__}: {str(e)[:200]}"))
                 continue
             secs = time.time() - t0
             if not compiled.ptx_path or not compiled.cubin_path:
                 failures += 1
-                rows.append((v.name, args.arch, "-", "-", "FAILED: no PTX/cubin written"))
+                rows.append((v.name, args.arch, "-", "-", "-", "FAILED: no PTX/cubin written"))
                 continue
             ptx_out = os.path.join(args.out, f"{v.name}.{args.arch}.ptx")
             cubin_out = os.path.join(args.out, f"{v.name}.{args.arch}.cubin")
@@ -50,11 +50,17 @@ def cmd_compile(args) -> int:
             missing = v.missing(args.arch, ptx)
             regs = cubin_register_counts(cubin_out)
             reg_text = "/".join(str(r) for r in regs.values()) or "?"
-            status = f"ok ({secs:.1f}s)" if not missing else f"MISSING {missing}"
-            failures += bool(missing)
-            rows.append((v.name, args.arch, reg_text, f"{len(ptx) / 1024:.1f} KiB", status))
-    widths = [max(len(str(r[i])) for r in rows + [("kernel", "arch", "regs", "PTX", "status")]) for i in range(5)]
-    for r in [("kernel", "arch", "regs", "PTX", "status")] + rows:
+            usage = cubin_resource_usage(cubin_out)
+            spill = "?" if usage is None else f"{usage.get('STACK', 0)}/{usage.get('LOCAL', 0)}"
+            # sm_100a builds must not spill (stack / local bytes 0); sm_90a reports it
+            spills = args.arch == "sm_100a" and usage is not None and (usage.get("STACK", 0) or usage.get("LOCAL", 0))
+            status = (f"ok ({secs:.1f}s)" if not missing and not spills else
+                      f"MISSING {missing}" if missing else f"SPILLS (stack/local bytes {spill})")
+            failures += bool(missing) or bool(spills)
+            rows.append((v.name, args.arch, reg_text, spill, f"{len(ptx) / 1024:.1f} KiB", status))
+    head = ("kernel", "arch", "regs", "stack/local B", "PTX", "status")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    for r in [head] + rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
     print(f"{len(rows) - failures} compiled, {failures} failed -> {args.out}")
     return 1 if failures else 0

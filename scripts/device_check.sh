@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, check and time on the GPU machine in one call, by stage. From the repo root, after
 # `source .wheelhouse/b/install.sh`:
-#   bash scripts/device_check.sh [tests] [decode] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [bench-OP-GRID] [peers-OP-GRID] ...
+#   bash scripts/device_check.sh [tests] [decode] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [sm100] [bench-OP-GRID] [peers-OP-GRID] ...
 # Logs go to $OUT/logs_<stages>.tgz (one file: a call brings back at most 8), the seed8 / fla8 JSON to ./device_out (kept
 # on the machine between calls) and a copy into $OUT. Every stage runs under a hard limit (SIGINT first, so a
 # sweep writes the cells it measured), so a hung kernel cannot eat the session.
@@ -16,6 +16,8 @@
 #              (scripts/seed_cells.py; a fresh ./device_out/seed8_*.json per machine)
 #   fla8       the same cells with FLA (then seed8's comparison again, FLA beside; at least 300 s: Triton autotunes)
 #   paths      scripts/time_paths.py paths
+#   sm100      the first run on an SM100 machine: sm_100a builds, every GPU test, memcheck, the decode sweeps; on
+#              another GPU a dry run (builds, test collection, the sweeps' grids, the sanitizer's presence)
 #   peers-OP-GRID  ours against FLA, FlashInfer and FlashQLA (CUDA graphs; FlashQLA in its own process when
 #              scripts/peer_install.sh flashqla ran): benchmarks/results' {op}_peers_<device>_<date>.json
 set -uo pipefail
@@ -96,6 +98,27 @@ for stage in $stages; do
         cp "$dest"/peers_main/* "$dest"/
       fi
       rm -rf "$dest/peers_main" "$dest/peers_qla" ;;
+    sm100)   # the first run on an SM100 machine; on any other GPU a dry run that checks its own steps
+      cap=$(python3 -c "import torch; print('%d%d' % torch.cuda.get_device_capability())" 2>/dev/null)
+      dry=$([ "${cap:0:2}" = "10" ] && echo 0 || echo 1)
+      echo "sm100: compute capability ${cap:-none}, dry run: $dry"
+      TAIL=30 run sm100_compile.log $t python3 -m cute_kernels compile --arch sm_100a --out /tmp/ck100
+      if [ "$dry" = 1 ]; then
+        # the steps that need SM100, checked without running: the tests collect, the sweeps parse their grids
+        TAIL=5 run sm100_collect.log $t python3 -m pytest tests -q -p no:cacheprovider --collect-only -m gpu
+        TAIL=5 run sm100_sweeps.log 120 python3 -c "from benchmarks import recurrent_decode as r, decode as d; \
+print(len(r.grid('full')), 'decode-step cells;', len(d.grid('full')), 'decode cells')"
+        [ -n "$sanitizer" ] && echo "sanitizer: $sanitizer" || { echo "sanitizer: missing"; status=1; }
+      else
+        # (no --require-gpu: the SM90-only tests skip here; every test of an op that runs on SM100 must pass)
+        run sm100_tests.log $t python3 -m pytest tests -q -p no:cacheprovider -m "gpu and not compile" --tb=short
+        TAIL=20 run sm100_memcheck.log $t "$sanitizer" --tool memcheck --error-exitcode 99 --target-processes all \
+          python3 -m pytest tests/test_recurrent.py -q -p no:cacheprovider -m gpu -k "kernel_matches_spec and weak"
+        for op in gdn_decode kda_decode; do
+          TAIL=40 run "sm100_bench_$op.log" $t python3 -m benchmarks.sweep --op $op --grid full --out "$dest"
+        done
+        TAIL=40 run sm100_bench_decode.log $t python3 -m benchmarks.sweep --op decode --grid quick --out "$dest"
+      fi ;;
     bench-*)
       spec=${stage#bench-}; op=${spec%%-*}; grid=${spec#*-}
       TAIL=40 run "bench_${op}_${grid}.log" $t python3 -m benchmarks.sweep --op "$op" --grid "$grid" --out "$dest" ${BENCH_ARGS:-} ;;

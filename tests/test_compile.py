@@ -43,6 +43,15 @@ def test_every_variant_written(compiled_dir):
     assert "0 failed" in stdout
 
 
+def test_no_spills_on_sm100(compiled_dir):
+    """Every sm_100a build: cuobjdump (the test extra's wheel) reads 0 stack and 0 local bytes from its cubin."""
+    arch, _, stdout = compiled_dir
+    if arch != "sm_100a":
+        pytest.skip("sm_90a builds report their spills; the no-spill rule is the SM100 builds'")
+    rows = [line.split() for line in stdout.splitlines() if " sm_100a " in line]
+    assert rows and all(r[3] == "0/0" for r in rows), [r[:4] for r in rows if r[3] != "0/0"]
+
+
 def test_ptx_contents(compiled_dir):
     arch, out, _ = compiled_dir
     ptx = (out / f"affine_merge_prefetch_k128_v128_init.{arch}.ptx").read_text()

@@ -21,6 +21,8 @@ THREADS = 128   # 4 warps: warp w holds state rows [32 w, 32 w + 32)
 COLS = 32       # state columns per CTA: lane l holds column 32 vb + l
 WARPS = THREADS // 32
 EPS = 1e-6      # l2norm: x / sqrt(sum x^2 + EPS), as FLA
+MIN_CTAS_PER_SM = 4   # the register budget ptxas gets (128 a thread): at 80 (6 a SM) or its own choice it spilled
+SMEM_CARVEOUT = 25    # percent of the SM's memory as shared (3 KB a CTA; the rest stays L1), fixed: no device query
 
 
 @cute.jit
@@ -70,7 +72,9 @@ class RecurrentStep:
                  N: Int32, scale: Float32, lower_bound: Float32, stream):
         self.kernel(q, k, v, g, beta, a_log, dt_bias, h0, ht, cu_seqlens, init_idx, final_idx, accepted, o, T,
                     scale, lower_bound).launch(grid=[self.config.head_dim // COLS, v.shape[1], N],
-                                               block=[THREADS, 1, 1], stream=stream)
+                                               block=[THREADS, 1, 1], stream=stream,
+                                               min_blocks_per_mp=MIN_CTAS_PER_SM,
+                                               preferred_smem_carveout=SMEM_CARVEOUT)
 
     @cute.kernel
     def kernel(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,

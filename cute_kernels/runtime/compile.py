@@ -140,3 +140,37 @@ def cubin_register_counts(path: str) -> dict[str, int]:
         else:
             i += 4
     return out
+
+
+def cuobjdump_path() -> str | None:
+    """cuobjdump: on PATH, or from the `nvidia-cuda-cuobjdump` wheel (the test extra installs it)."""
+    import shutil
+
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        hits = sorted(glob.glob(os.path.join(root, "*", "bin", "cuobjdump")))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def cubin_resource_usage(path: str) -> dict[str, int] | None:
+    """cuobjdump's resource usage of a cubin's kernel(s), summed (REG, STACK, SHARED, LOCAL, ...): STACK or LOCAL
+    above 0 means register spills or local arrays. None when cuobjdump is not installed."""
+    import re
+    import subprocess
+
+    tool = cuobjdump_path()
+    if tool is None:
+        return None
+    text = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    usage: dict[str, int] = {}
+    for key, value in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text):
+        usage[key] = usage.get(key, 0) + int(value)
+    return usage

@@ -11,6 +11,7 @@ from typing import Callable
 SM90 = ("sm_90a",)
 ANY = ("sm_90a", "sm_100a")
 WGMMA, TMA_LOAD, REGS_UP = "wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"
+TCGEN05 = ("tcgen05.mma", "tcgen05.alloc", "tcgen05.ld", "tcgen05.commit", "tcgen05.dealloc")
 PUBLISH = ("fence.acq_rel.gpu", "atom.global.release.add")   # phase 1 publishing a chunk: release fence, add
 # 16-byte accesses: v4.b32 on sm_90a, v2.b64 on sm_100a ("a|b": either one)
 LD_GLOBAL_16B, LD_SHARED_16B, ST_SHARED_16B = (f"{op}.v4|{op}.v2.b64" for op in ("ld.global", "ld.shared", "st.shared"))
@@ -71,6 +72,9 @@ def _variants() -> list[Variant]:
         need += ("griddepcontrol.wait", "griddepcontrol.launch_dependents") if pdl else ()
         out.append(Variant("affine_merge", name, lambda d, cfg=cfg: build_affine_merge(cfg, dump_dir=d), need,
                            SM90 if impl == "tc" else ANY))
+        if impl == "tc":   # the SM100 build of the same config: tcgen05 MMAs into TMEM
+            out.append(Variant("affine_merge", name, lambda d, cfg=cfg: build_affine_merge(cfg, dump_dir=d),
+                               TCGEN05 + (("griddepcontrol.wait",) if pdl else ()), ("sm_100a",)))
     for dim, dt in [(128, bf), (128, f16), (128, f32), (64, bf)]:
         out.append(Variant("lse_merge", f"lse_merge_d{dim}_{_dtype_tag(dt)}",
                            lambda d, dim=dim, dt=dt: build_lse_merge(dim, dt, dump_dir=d),

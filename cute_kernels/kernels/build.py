@@ -126,9 +126,6 @@ def build_state_pass(config: StateConfig, io_dtype: torch.dtype, dump_dir=None) 
 def build_affine_merge(config: MergeConfig, dump_dir=None) -> Compiled:
     """The affine merge. Its function takes (M, h_ext, seg_offsets, initial_state, start_states, final_state),
     fp32 [.., H, K, K] / [.., H, K, V], seg_offsets int32 [N + 1]; the grid comes from final_state's [N, H]."""
-    if config.impl == "tc":
-        _sm90("the 'tc' affine merge")
-
     def build():
         cutlass = import_cutlass()
         f32, i32 = cutlass.Float32, cutlass.Int32
@@ -142,7 +139,12 @@ def build_affine_merge(config: MergeConfig, dump_dir=None) -> Compiled:
             fake_tensor(f32, (DYN, DYN, k, v)),
             fake_stream(),
         )
+        if config.impl == "tc" and target_arch() == "sm_100a":
+            from .sm100.affine_merge_tc import AffineMergeTcSm100
+
+            return AffineMergeTcSm100(config, cutlass.BFloat16), args
         if config.impl == "tc":
+            _sm90("the 'tc' affine merge")
             from .sm90.affine_merge_tc import AffineMergeTcSm90
 
             return AffineMergeTcSm90(config, cutlass.BFloat16), args

@@ -215,13 +215,21 @@ def run_cell(cell: DecodeCell, ours_call, peers: dict, timer, copy_tbps: float) 
             row["notes"]["ours_graph_error"] = err
     except Exception as e:
         row["notes"]["ours_error"] = f"{type(e).__name__}: {e}"[:300]
+    time_peers(row, peers, x, cell, ref, timer)
+    return row
+
+
+def time_peers(row: dict, peers: dict, x: dict, cell, ref, timer) -> None:
+    """Each peer's output error against ours (`ref`; a peer's output is compared in ref's shape) and its graph /
+    eager times into `row` (a failure as its reason), then the best peer and the speed-up over it."""
     for name, prepare in peers.items():
         try:
             fn = prepare(x, cell)
             out = fn()
             torch.cuda.synchronize()
             if ref is not None:
-                row["rel_err"][name] = max_rel_err(out, ref)
+                row["rel_err"][name] = max_rel_err(out.reshape(ref.shape) if out.numel() == ref.numel() else out,
+                                                   ref)
             del out
             us, eager, err = time_both(timer, fn)
             row["peers"][name], row["peers_eager"][name] = us, eager
@@ -235,7 +243,46 @@ def run_cell(cell: DecodeCell, ours_call, peers: dict, timer, copy_tbps: float) 
         row["best_peer"] = best
         if row["ours_us"]:
             row["speedup_vs_best"] = row["peers"][best] / row["ours_us"]
-    return row
+
+
+def load_peers(names: str, loaders: dict, *args) -> tuple[dict, dict]:
+    """(name -> prepare, name -> why missing) of the comma-separated `names`; an unknown name exits."""
+    peers, missing = {}, {}
+    for name in [p for p in names.split(",") if p]:
+        if name not in loaders:
+            raise SystemExit(f"--peers: unknown peer {name!r}; choose from {', '.join(loaders)}")
+        try:
+            peers[name] = loaders[name](*args)
+        except Exception as e:
+            missing[name] = f"{type(e).__name__}: {e}"[:300]
+            print(f"peer {name} not available: {missing[name]}", file=sys.stderr)
+    return peers, missing
+
+
+def sweep_cells(cells: list, run, desc: str, stem: Path, meta: dict) -> list[dict]:
+    """`run(cell)` for every cell under a progress bar, the JSON at `stem` rewritten after each (a stopped sweep
+    keeps its cells), failures and disagreeing peers reported as they come."""
+    import json
+
+    from tqdm import tqdm
+
+    rows = []
+    with torch.inference_mode():
+        bar = tqdm(cells, desc=desc, unit="cell")
+        for cell in bar:
+            bar.set_postfix_str(cell.label)
+            row = run(cell)
+            if row["notes"].get("ours_error"):
+                bar.write(f"ours failed at {cell.label}: {row['notes']['ours_error']}")
+            bad = {n: e for n, e in row["rel_err"].items() if e > 2e-2}
+            if bad:
+                bar.write(f"{cell.label}: outputs differ from ours: {bad}")
+            rows.append(row)
+            torch.cuda.empty_cache()
+            stem.with_suffix(".json").write_text(json.dumps({**meta, "complete": False, "rows": rows}, indent=1,
+                                                            default=str))
+    stem.with_suffix(".json").write_text(json.dumps({**meta, "complete": True, "rows": rows}, indent=1, default=str))
+    return rows
 
 
 def copy_bandwidth(timer) -> float:
@@ -356,17 +403,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print(NO_GPU_MSG, file=sys.stderr)
         return 2
-    from tqdm import tqdm
-
-    peers, missing = {}, {}
-    for name in [p for p in args.peers.split(",") if p]:
-        if name not in PEER_LOADERS:
-            raise SystemExit(f"--peers: unknown peer {name!r}; choose from {', '.join(PEERS)}")
-        try:
-            peers[name] = PEER_LOADERS[name]()
-        except Exception as e:
-            missing[name] = f"{type(e).__name__}: {e}"[:300]
-            print(f"peer {name} not available: {missing[name]}", file=sys.stderr)
+    peers, missing = load_peers(args.peers, PEER_LOADERS)
     timer = Timer(args.reps, args.warmup_ms, args.rep_ms)
     props = torch.cuda.get_device_properties(0)
     cells = [c for c in grid(args.grid) if c.cache_bytes() <= MEMORY_SHARE * props.total_memory]
@@ -386,24 +423,7 @@ def main(argv=None) -> int:
             "scheduler": args.scheduler, "copy_tbps": copy_tbps, "peers_missing": missing, "timer": timer.name,
             "time": "GPU time per call under CUDA-graph replay (eager host time per call beside it)"}
     call = ours(args.scheduler)
-    rows = []
-    import json
-
-    with torch.inference_mode():
-        bar = tqdm(cells, desc="decode", unit="cell")
-        for cell in bar:
-            bar.set_postfix_str(cell.label)
-            row = run_cell(cell, call, peers, timer, copy_tbps)
-            if row["notes"].get("ours_error"):
-                bar.write(f"ours failed at {cell.label}: {row['notes']['ours_error']}")
-            bad = {n: e for n, e in row["rel_err"].items() if e > 2e-2}
-            if bad:
-                bar.write(f"{cell.label}: outputs differ from ours: {bad}")
-            rows.append(row)
-            torch.cuda.empty_cache()
-            stem.with_suffix(".json").write_text(json.dumps({**meta, "complete": False, "rows": rows}, indent=1,
-                                                            default=str))
-    stem.with_suffix(".json").write_text(json.dumps({**meta, "complete": True, "rows": rows}, indent=1, default=str))
+    rows = sweep_cells(cells, lambda cell: run_cell(cell, call, peers, timer, copy_tbps), "decode", stem, meta)
     print(format_table(rows))
     paths = write_plots(rows, stem, f"decode {report.device_short_name(device)} {date}")
     print("\n".join(f"wrote {p}" for p in [stem.with_suffix(".json"), *paths]))

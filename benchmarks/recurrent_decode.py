@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-from benchmarks.ops import max_rel_err
 
 D = 128
 GROUP = 2
@@ -139,7 +136,7 @@ PEER_LOADERS = {"fla": peer_fla, "flashinfer": peer_flashinfer}
 # --------------------------------------------------------------------------- one cell
 
 def run_cell(cell: StepCell, kda: bool, ours_prepare, peers: dict, timer, copy_tbps: float) -> dict:
-    from benchmarks.decode import time_both
+    from benchmarks.decode import time_both, time_peers
 
     x = make_inputs(cell, kda, "cuda")
     nbytes = cell.state_bytes()
@@ -159,26 +156,7 @@ def run_cell(cell: StepCell, kda: bool, ours_prepare, peers: dict, timer, copy_t
             row["notes"]["ours_graph_error"] = err
     except Exception as e:
         row["notes"]["ours_error"] = f"{type(e).__name__}: {e}"[:300]
-    for name, prepare in peers.items():
-        try:
-            fn = prepare(x, cell)
-            out = fn()
-            torch.cuda.synchronize()
-            if ref is not None:
-                row["rel_err"][name] = max_rel_err(out.reshape(ref.shape), ref)
-            del out
-            us, eager, err = time_both(timer, fn)
-            row["peers"][name], row["peers_eager"][name] = us, eager
-            if err:
-                row["notes"][f"{name}_graph_error"] = err
-        except Exception as e:
-            row["peer_errors"][name] = f"{type(e).__name__}: {e}"[:300]
-            torch.cuda.synchronize()
-    if row["peers"]:
-        best = min(row["peers"], key=row["peers"].get)
-        row["best_peer"] = best
-        if row["ours_us"]:
-            row["speedup_vs_best"] = row["peers"][best] / row["ours_us"]
+    time_peers(row, peers, x, cell, ref, timer)
     return row
 
 
@@ -257,25 +235,15 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     from benchmarks import report
-    from benchmarks.decode import copy_bandwidth
+    from benchmarks.decode import copy_bandwidth, load_peers, sweep_cells
     from benchmarks.sweep import NO_GPU_MSG, Timer, select_cells
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
         print(NO_GPU_MSG, file=sys.stderr)
         return 2
-    from tqdm import tqdm
-
     kda = args.op == "kda_decode"
-    peers, missing = {}, {}
-    for name in [p for p in args.peers.split(",") if p]:
-        if name not in PEER_LOADERS:
-            raise SystemExit(f"--peers: unknown peer {name!r}; choose from {', '.join(PEERS)}")
-        try:
-            peers[name] = PEER_LOADERS[name](kda)
-        except Exception as e:
-            missing[name] = f"{type(e).__name__}: {e}"[:300]
-            print(f"peer {name} not available: {missing[name]}", file=sys.stderr)
+    peers, missing = load_peers(args.peers, PEER_LOADERS, kda)
     timer = Timer(args.reps, args.warmup_ms, args.rep_ms)
     cells = grid(args.grid)
     if args.cells:
@@ -292,22 +260,8 @@ def main(argv=None) -> int:
             "copy_tbps": copy_tbps, "peers_missing": missing, "timer": timer.name,
             "time": "GPU time per call under CUDA-graph replay (eager host time per call beside it)"}
     prepare = ours(kda)
-    rows = []
-    with torch.inference_mode():
-        bar = tqdm(cells, desc=args.op, unit="cell")
-        for cell in bar:
-            bar.set_postfix_str(cell.label)
-            row = run_cell(cell, kda, prepare, peers, timer, copy_tbps)
-            if row["notes"].get("ours_error"):
-                bar.write(f"ours failed at {cell.label}: {row['notes']['ours_error']}")
-            bad = {n: e for n, e in row["rel_err"].items() if e > 2e-2}
-            if bad:
-                bar.write(f"{cell.label}: outputs differ from ours: {bad}")
-            rows.append(row)
-            torch.cuda.empty_cache()
-            stem.with_suffix(".json").write_text(json.dumps({**meta, "complete": False, "rows": rows}, indent=1,
-                                                            default=str))
-    stem.with_suffix(".json").write_text(json.dumps({**meta, "complete": True, "rows": rows}, indent=1, default=str))
+    rows = sweep_cells(cells, lambda cell: run_cell(cell, kda, prepare, peers, timer, copy_tbps), args.op, stem,
+                       meta)
     print(format_table(rows))
     path = write_heatmap(rows, stem.parent / (stem.name + "_speedup.png"),
                          f"{args.op} {report.device_short_name(device)} {date}")

@@ -29,6 +29,23 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
+def check_qkv(q, k, v, io_dtypes, head_dims) -> tuple[int, int, int, int, int, int]:
+    """q, k [B, T, H, K] and v [B, T, HV, V] of one dtype, HV a multiple of H (GVA), K and V in `head_dims`;
+    returns (B, T, H, K, HV, V)."""
+    check_tensor("q", q, dtypes=io_dtypes, ndim=4)
+    B, T, H, K = q.shape
+    check_tensor("k", k, dtypes=(q.dtype,), ndim=4)
+    check_shape("k", k, (B, T, H, K))
+    check_tensor("v", v, dtypes=(q.dtype,), ndim=4)
+    HV, V = v.shape[2], v.shape[3]
+    check_shape("v", v, (B, T, HV, V))
+    if H < 1 or HV % H:
+        raise ValueError(f"v's heads (HV = {HV}) must be a multiple of q's and k's (H = {H}) (GVA)")
+    if K not in head_dims or V not in head_dims:
+        raise ValueError(f"head dims K={K}, V={V} are not supported: supported are {tuple(head_dims)}")
+    return B, T, H, K, HV, V
+
+
 def check_no_grad(op: str, **tensors) -> None:
     """The ops are forward-only: under grad mode an input that requires grad would get an output without a graph
     (its gradient silently lost), so it raises instead, naming the input."""

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from ..checks import check_cuda, check_no_grad, check_shape, check_tensor
+from ..checks import check_cuda, check_no_grad, check_qkv, check_shape, check_tensor
 from ..paths.fused import DeviceTableRun, FusedRun
 from ..paths.two_phase import OverlapRun, PrepRun, StateRun, overlap_free, prep_config
 from ..plan import ForwardPlan, PlanOptions, plan_forward
@@ -27,17 +27,7 @@ def validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens, kda: bool, scal
     """Check everything on the host; returns (B, T, HV, K, V, N, cu, group) with HV the value heads (GVA: v, g,
     beta and the states have HV = group x H heads, q and k H), cu the cu_seqlens values as a tuple (or None).
     Every error names the argument."""
-    check_tensor("q", q, dtypes=IO_DTYPES, ndim=4)
-    B, T, H, K = q.shape
-    check_tensor("k", k, dtypes=(q.dtype,), ndim=4)
-    check_shape("k", k, (B, T, H, K))
-    check_tensor("v", v, dtypes=(q.dtype,), ndim=4)
-    HV, V = v.shape[2], v.shape[3]
-    check_shape("v", v, (B, T, HV, V))
-    if H < 1 or HV % H:
-        raise ValueError(f"v's heads (HV = {HV}) must be a multiple of q's and k's (H = {H}) (GVA)")
-    if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dims K={K}, V={V} are not supported: supported are {SUPPORTED_HEAD_DIMS}")
+    B, T, H, K, HV, V = check_qkv(q, k, v, IO_DTYPES, SUPPORTED_HEAD_DIMS)
     check_tensor("g", g, dtypes=(torch.float32, q.dtype), ndim=4 if kda else 3)
     check_shape("g", g, (B, T, HV, K) if kda else (B, T, HV))
     check_tensor("beta", beta, dtypes=(torch.float32, q.dtype), ndim=3, align=4)

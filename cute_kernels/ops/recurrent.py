@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_cuda, check_no_grad, check_shape, check_tensor
+from ..checks import check_cuda, check_no_grad, check_qkv, check_shape, check_tensor
 from ..kernels.build import build_recurrent_step
 from ..kernels.configs import RecurrentConfig
 
@@ -61,17 +61,7 @@ def fused_recurrent(q, k, v, g, beta, *, kda: bool, scale=None, initial_state=No
     """The common decode step (see the module docstring); returns (o, final state or pool or None)."""
     name = "fused_recurrent_kda" if kda else "fused_recurrent_gated_delta_rule"
     check_no_grad(name, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
-    check_tensor("q", q, dtypes=IO_DTYPES, ndim=4)
-    B, T, H, K = q.shape
-    check_tensor("k", k, dtypes=(q.dtype,), ndim=4)
-    check_shape("k", k, (B, T, H, K))
-    check_tensor("v", v, dtypes=(q.dtype,), ndim=4)
-    HV, V = v.shape[2], v.shape[3]
-    check_shape("v", v, (B, T, HV, V))
-    if K != HEAD_DIM or V != HEAD_DIM:
-        raise ValueError(f"head dims K={K}, V={V} are not supported: K = V = {HEAD_DIM}")
-    if H < 1 or HV % H:
-        raise ValueError(f"v's heads (HV = {HV}) must be a multiple of q's and k's (H = {H}) (GVA)")
+    B, T, H, K, HV, V = check_qkv(q, k, v, IO_DTYPES, (HEAD_DIM,))
     if g is None:
         g = torch.zeros((B, T, HV, K) if kda else (B, T, HV), dtype=torch.float32, device=q.device)
     check_tensor("g", g, dtypes=(torch.float32, q.dtype), ndim=4 if kda else 3, align=4)

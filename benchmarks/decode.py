@@ -381,18 +381,23 @@ def write_plots(rows: list[dict], stem: Path, title: str) -> list[Path]:
 # --------------------------------------------------------------------------- main
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep --op decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--op", choices=["decode"], default="decode")
+def add_sweep_args(p: argparse.ArgumentParser, peers: tuple) -> argparse.ArgumentParser:
+    """The arguments both decode sweeps take: grid, cells, peers, output folder, timing budgets."""
     p.add_argument("--grid", default="full", choices=["full", "quick"])
     p.add_argument("--cells", default=None, metavar="START:END[,I,...]", help="only these cells of the grid")
-    p.add_argument("--scheduler", default="split-kv", choices=["split-kv", "stream-k"])
-    p.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers (default: all that import)")
+    p.add_argument("--peers", default=",".join(peers), help="comma-separated peers (default: all that import)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--rep-ms", type=float, default=50.0)
     p.add_argument("--warmup-ms", type=float, default=10.0)
     p.add_argument("--reps", type=int, default=50)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep --op decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--op", choices=["decode"], default="decode")
+    p.add_argument("--scheduler", default="split-kv", choices=["split-kv", "stream-k"])
+    return add_sweep_args(p, PEERS).parse_args(argv)
 
 
 def main(argv=None) -> int:

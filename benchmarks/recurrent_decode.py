@@ -223,14 +223,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.sweep --op gdn_decode|kda_decode",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--op", choices=["gdn_decode", "kda_decode"], required=True)
-    p.add_argument("--grid", default="full", choices=["full", "quick"])
-    p.add_argument("--cells", default=None, metavar="START:END[,I,...]", help="only these cells of the grid")
-    p.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers (default: all that import)")
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--rep-ms", type=float, default=50.0)
-    p.add_argument("--warmup-ms", type=float, default=10.0)
-    p.add_argument("--reps", type=int, default=50)
-    return p.parse_args(argv)
+    from benchmarks.decode import add_sweep_args
+
+    return add_sweep_args(p, PEERS).parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -146,14 +146,12 @@ def fused_recurrent(q, k, v, g, beta, *, kda: bool, scale=None, initial_state=No
         o = out
     else:
         o = torch.empty_like(v)
-    config = RecurrentConfig(kda=kda, group=HV // H, varlen=varlen, initial=initial, final=final, spec=spec,
-                             l2norm=bool(use_qk_l2norm_in_kernel), gate_in_kernel=bool(use_gate_in_kernel),
-                             a_log=a_log is not None, dt_bias=bias is not None, lower_bound=lower_bound is not None,
-                             beta_sigmoid=bool(use_beta_sigmoid_in_kernel), neg_eigval=bool(allow_neg_eigval))
     if N > 0:
         cu = (cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.int()) if varlen else None
         f32, i32 = torch.float32, torch.int32
-        fn = build_recurrent_step(config, q.dtype, g.dtype, beta.dtype).fn
+        fn = step_function(kda, HV // H, varlen, initial, final, spec, bool(use_qk_l2norm_in_kernel),
+                           bool(use_gate_in_kernel), a_log is not None, bias is not None, lower_bound is not None,
+                           bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), q.dtype, g.dtype, beta.dtype)
         fn(q.view(B * T, H, K), k.view(B * T, H, K), v.view(B * T, HV, V),
            g.view((B * T, HV, K) if kda else (B * T, HV)), beta.view(B * T, HV),
            a_log if a_log is not None else _dummy(device, f32), bias if bias is not None else _dummy(device, f32),
@@ -167,6 +165,22 @@ def fused_recurrent(q, k, v, g, beta, *, kda: bool, scale=None, initial_state=No
     if not output_final_state:
         return o, None
     return o, (initial_state if pool else ht)
+
+
+_functions: dict = {}
+
+
+def step_function(*key):
+    """The compiled step for (kda, group, varlen, initial, final, spec, l2norm, gate_in_kernel, a_log, dt_bias,
+    lower_bound, beta_sigmoid, neg_eigval, io, g and beta dtypes): one dict lookup per call once built."""
+    fn = _functions.get(key)
+    if fn is None:
+        flags, (io, g_dtype, beta_dtype) = key[:-3], key[-3:]
+        names = ("kda", "group", "varlen", "initial", "final", "spec", "l2norm", "gate_in_kernel", "a_log", "dt_bias",
+                 "lower_bound", "beta_sigmoid", "neg_eigval")
+        fn = _functions[key] = build_recurrent_step(RecurrentConfig(**dict(zip(names, flags))), io, g_dtype,
+                                                    beta_dtype).fn
+    return fn
 
 
 def unsupported_gdn_arguments(gk, gv, state_v_first) -> None:

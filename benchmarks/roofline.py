@@ -7,8 +7,8 @@ The floor is the time a perfect kernel would need on the device:
 * bytes: every input read once and every output written once (``numel * element_size`` summed).
 * flops: the matmul work of the chunked algorithm (see :func:`chunk_flops`) or of decode attention.
 
-The two ceilings default to H200 numbers and can be overridden from the CLI
-(``--bw-tbs`` in TB/s, ``--tflops`` in TFLOP/s).
+The bandwidth ceiling is the copy bandwidth measured on the card (:func:`copy_bw_tbs`: H100 3.0 TB/s, H200
+4.2); both ceilings can be overridden from the CLI (``--bw-tbs`` in TB/s, ``--tflops`` in TFLOP/s).
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ from dataclasses import dataclass
 
 #: HBM bandwidth ceiling, bytes per second (H200: 4.8 TB/s peak, ~4.2 reachable).
 BW_BYTES_PER_S = 4.2e12
+#: Measured copy bandwidth per card (TB/s); a card not listed takes the H200's.
+COPY_TBS = {"H100": 3.0, "H200": 4.2}
+
+
+def copy_bw_tbs(device_name: str) -> float:
+    """The bandwidth ceiling of the card named `device_name` (TB/s)."""
+    return next((bw for card, bw in COPY_TBS.items() if card in device_name), BW_BYTES_PER_S / 1e12)
 #: Dense bf16 tensor-core ceiling, FLOP per second.
 TENSOR_FLOPS_PER_S = 729e12
 

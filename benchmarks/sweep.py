@@ -64,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cells", default=None, metavar="START:END[,I,...]",
                    help="only cells START..END-1 of the grid (or a comma-separated list of indices and ranges) (to split a long sweep across device calls; the files "
                         "get a _cellsSTART-END tag; python -m benchmarks.combine joins the parts)")
-    p.add_argument("--bw-tbs", type=float, default=roofline.BW_BYTES_PER_S / 1e12, help="bandwidth ceiling, TB/s")
+    p.add_argument("--bw-tbs", type=float, default=None,
+                   help="bandwidth ceiling, TB/s (default: the card's measured copy bandwidth)")
     p.add_argument("--tflops", type=float, default=roofline.TENSOR_FLOPS_PER_S / 1e12, help="compute ceiling, TFLOP/s")
     p.add_argument("--graph", action="store_true",
                    help="also time both sides replayed from a CUDA graph (kernel time without host launch gaps)")
@@ -319,13 +320,13 @@ def main(argv=None) -> int:
             print(f"note: {why}; timing the peer only", file=sys.stderr)
 
     dtype = DTYPES[args.dtype]
-    ceilings = roofline.Ceilings.from_cli(args.bw_tbs, args.tflops)
     rows_def = grids.get_grid(args.grid)
     todo = grids.cells(rows_def)[: args.limit_cells]
     if args.cells:
         todo = select_cells(todo, args.cells)
     props = torch.cuda.get_device_properties(0)
     device_name = torch.cuda.get_device_name(0)
+    ceilings = roofline.Ceilings.from_cli(args.bw_tbs or roofline.copy_bw_tbs(device_name), args.tflops)
     l2_bytes = getattr(props, "L2_cache_size", 0) or L2_BYTES
     timer = Timer(args.reps, args.warmup_ms, args.rep_ms)
     date = datetime.date.today().isoformat()

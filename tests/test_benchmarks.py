@@ -88,6 +88,13 @@ def test_kda_roofline_by_hand():
     assert fl2 == pytest.approx(flops / 729e12 * 1e6)
 
 
+def test_bandwidth_ceiling_follows_the_card():
+    """The sweep's default bandwidth ceiling is the card's measured copy bandwidth."""
+    assert roofline.copy_bw_tbs("NVIDIA H100 80GB HBM3") == 3.0
+    assert roofline.copy_bw_tbs("NVIDIA H200") == 4.2
+    assert roofline.copy_bw_tbs("NVIDIA B200") == 4.2
+
+
 def test_gdn_and_decode_roofline():
     B, H, T = 2, 8, 100  # T not a multiple of 64: two chunks
     gdn = roofline.cell_cost("gdn", B, H, T)

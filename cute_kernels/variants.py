@@ -143,6 +143,10 @@ def _variants() -> list[Variant]:
                 "shfl.sync.bfly", "ex2.approx") + fixup + (("tanh.approx",) if cfg.softcap else ())
         out.append(Variant("decode_attention", name, lambda d, c=cfg, io=io: build_decode(c, io, dump_dir=d), need,
                            SM90))
+        # the SM100 build of the same config: tcgen05 MMAs into TMEM, TMA boxes, tcgen05.st for O's correction
+        need = TCGEN05 + ("tcgen05.st", TMA_LOAD, "ex2.approx") + fixup + (("tanh.approx",) if cfg.softcap else ())
+        out.append(Variant("decode_attention", name, lambda d, c=cfg, io=io: build_decode(c, io, dump_dir=d), need,
+                           ("sm_100a",)))
     for group, io in [(8, bf), (1, f16)]:
         out.append(Variant("decode_attention", f"decode_fixup_g{group}_{_dtype_tag(io)}",
                            lambda d, g=group, io=io: build_decode_fixup(g, io, dump_dir=d), ("ex2.approx", LD_GLOBAL_16B),

@@ -130,6 +130,10 @@ CPU_MUTANTS = [
     Mutant("allow_neg_eigval ignored", "gate arguments (ops.linear_attention.gate_inputs)", OPS,
            "beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)",
            "beta = torch.sigmoid(beta.float())", ("tests/test_gdn_sm90.py@gate_arguments_match",)),
+    # -- SM100 budgets: the SM's TMEM is shared by its CTAs
+    Mutant("TMEM budget checked for one CTA, not ctas_per_sm", "SM100 budgets (kernels.sm100.budgets.tmem_plan)",
+           "cute_kernels/kernels/sm100/budgets.py", "if alloc * ctas_per_sm > TMEM_COLUMNS:",
+           "if alloc > TMEM_COLUMNS:", ("tests/test_sm100_budgets.py",)),
     # -- graph-mode varlen: the tile table built on the device
     Mutant("last partial chunk dropped from the device table", "schedulers.host.sequence_table_on_device",
            "schedulers/host.py", "torch.div(end - start + chunk_size - 1, chunk_size",

@@ -178,15 +178,19 @@ def build_lse_merge(head_dim: int, out_dtype: torch.dtype, dump_dir=None) -> Com
 
 
 def build_decode(config: DecodeConfig, io_dtype: torch.dtype, dump_dir=None) -> Compiled:
-    """Split-KV decode attention. Its function takes (q, k_cache, v_cache, cache_seqlens, page_table, o, lse,
-    o_part, lse_part, counters, tiles, num_tiles, grid, scale, softcap): q / o [B, Sq, Hq, D], caches 4-D, lse
-    [B, Sq, Hq] fp32, partials [slots, 64, D] / [slots, 64] fp32, counters [units] int32."""
+    """Split-KV decode attention (wgmma on sm_90a, tcgen05 on sm_100a). Its function takes (q, k_cache, v_cache,
+    cache_seqlens, page_table, o, lse, o_part, lse_part, counters, tiles, num_tiles, grid, scale, softcap): q / o
+    [B, Sq, Hq, D], caches 4-D, lse [B, Sq, Hq] fp32, partials [slots, 64, D] / [slots, 64] fp32, counters [units]
+    int32."""
 
     def build():
-        _sm90("split-KV decode")
         cutlass = import_cutlass()
-        from .sm90.decode import SplitKVDecodeSm90
         from schedulers.problem import NUM_TILE_FIELDS
+
+        if target_arch() == "sm_100a":
+            from .sm100.decode import SplitKVDecodeSm100 as kernel_class
+        else:
+            from .sm90.decode import SplitKVDecodeSm90 as kernel_class
 
         io, f32, i32, D = cutlass_dtype(io_dtype), cutlass.Float32, cutlass.Int32, config.head_dim
         four = lambda: fake_tensor(io, (DYN, DYN, DYN, D))   # noqa: E731
@@ -203,7 +207,7 @@ def build_decode(config: DecodeConfig, io_dtype: torch.dtype, dump_dir=None) -> 
             i32(1), i32(1), f32(1.0), f32(1.0),
             fake_stream(),
         )
-        return SplitKVDecodeSm90(config, io), args
+        return kernel_class(config, io), args
 
     return compile_kernel(("decode", config, _name(io_dtype)), build, dump_dir=dump_dir)
 

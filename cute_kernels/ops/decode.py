@@ -125,8 +125,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, sca
     B, Sq, Hq, Hkv, D, paged, bound = validate(q, k_cache, v_cache, cache_seqlens, page_table, scale, softcap,
                                                max_seqlen)
     device = check_cuda(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, page_table=page_table)
-    if device_arch(device) != "sm_90a":
-        raise NotImplementedError(f"decode_attention runs on SM90 (Hopper) only for now, got {device_arch(device)}")
+    device_arch(device)   # sm_90a (wgmma) or sm_100a (tcgen05); any other arch raises, naming the supported ones
     q4 = q if q.dim() == 4 else q[:, None]
     o4, lse3 = _outputs(out, q, q4, return_lse)
     group = Hq // Hkv

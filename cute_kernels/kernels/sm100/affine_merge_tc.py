@@ -15,15 +15,14 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import tcgen05
 
 from ..configs import MergeConfig
+from .budgets import check_smem, tmem_plan
 
 K_DIM = 128
 V_BLOCK = 64
 THREADS = 128                         # thread t owns TMEM lane t: row t of S (and of D)
 MMA_TILER = (K_DIM, V_BLOCK, K_DIM)   # (M = k_out, N = v, K = k_in)
 MMA_INST = (K_DIM, V_BLOCK, 16)       # one tcgen05.mma (bf16: K = 16)
-TMEM_COLS = 64                        # the fp32 accumulator D [128 lanes x 64 columns]
-TMEM_BUDGET = 512
-SMEM_BUDGET = 232448                  # 227 KB per CTA
+TMEM = tmem_plan({"d": V_BLOCK}, ctas_per_sm=1)   # the fp32 accumulator D [128 lanes x 64 columns]
 
 
 class AffineMergeTcSm100:
@@ -34,9 +33,9 @@ class AffineMergeTcSm100:
     final[n, h] = S, or with `starts_only` the last slot's start instead.
 
     Warp roles (128 threads, one CTA per (V block, head, sequence)): every thread keeps row t of S in registers,
-    writes its hi / lo halves into the B operand tiles and row t of M[s]'s hi / lo into the A tiles; thread 0
-    issues the three tcgen05 MMAs and commits them to an mbarrier; every thread then reads row t of D from TMEM
-    (tcgen05.ld 32x32b) and adds h_ext. No pipeline across slots (the chain is serial); TMEM: 64 columns.
+    writes its hi / lo halves into the B operand tiles and row t of M[s]'s hi / lo into the A tiles; warp 0 issues
+    the three tcgen05 MMAs (one elected lane) and commits them to an mbarrier; every thread then reads row t of D
+    from TMEM (tcgen05.ld 32x32b) and adds h_ext. No pipeline across slots (the chain is serial); TMEM: 64 columns.
     `pdl` (config): griddepcontrol.wait before any read.
     """
 
@@ -68,8 +67,7 @@ class AffineMergeTcSm100:
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes() + 2 * a_bytes + 2 * b_bytes + 4 * 1024
-        assert self.smem_bytes <= SMEM_BUDGET, f"shared memory {self.smem_bytes} B exceeds the 227 KB of a CTA"
-        assert TMEM_COLS <= TMEM_BUDGET
+        check_smem(self.smem_bytes, 1, "AffineMergeTcSm100")
         self.kernel(tiled_mma, a_layout, b_layout, m, h_ext, seg_offsets, initial_state, start_states,
                     final_state).launch(
             grid=[final_state.shape[3] // V_BLOCK, final_state.shape[1], final_state.shape[0]],
@@ -103,7 +101,7 @@ class AffineMergeTcSm100:
 
         tmem = utils.TmemAllocator(st.tmem_holding, barrier_for_retrieve=cutlass.pipeline.NamedBarrier(
             barrier_id=1, num_threads=THREADS))
-        tmem.allocate(TMEM_COLS)
+        tmem.allocate(TMEM.alloc)
         tmem.wait_for_alloc()
         acc_shape = tiled_mma.partition_shape_C(MMA_TILER[:2])
         tAcc = cute.make_tensor(tmem.retrieve_ptr(Float32), tiled_mma.make_fragment_C(acc_shape).layout)
@@ -148,14 +146,15 @@ class AffineMergeTcSm100:
                     sB_lo[(j, tidx % 16), 0, tidx // 16, 0] = (s_row[j] - hi.to(Float32)).to(io)
                 cute.arch.fence_proxy("async.shared", space="cta")   # generic stores -> the MMA's reads
                 cute.arch.sync_threads()
-                if tidx == 0:
+                if warp_idx == 0:   # whole warp: each MMA elects its issuing lane (elect.sync over all 32)
                     a_hi, a_lo, b_hi, b_lo = frags
                     tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
                     for a, b in ((a_hi, b_hi), (a_lo, b_hi), (a_hi, b_lo)):
                         for kb in cutlass.range_constexpr(cute.size(a_hi, mode=[2])):
                             cute.gemm(tiled_mma, tAcc, a[None, None, kb, 0], b[None, None, kb, 0], tAcc)
                             tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                    tcgen05.commit(mbar)
+                    with cute.arch.elect_one():
+                        tcgen05.commit(mbar)
                 cute.arch.mbarrier_wait(mbar, phase)
                 phase = phase ^ 1
                 cute.copy(load, tDtAcc, tDrAcc)

@@ -1,0 +1,52 @@
+"""SM100 per-CTA budgets, checked on the host before a build (plain Python, no CuTe DSL): shared memory (227 KB a
+CTA, 228 KB an SM) and tensor memory (512 columns of 128 lanes an SM, allocated per CTA in powers of two >= 32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SMEM_PER_CTA = 232448   # 227 KB
+SMEM_PER_SM = 233472    # 228 KB
+SMEM_RESERVED_PER_CTA = 1024
+TMEM_COLUMNS = 512
+
+
+@dataclass(frozen=True)
+class TmemPlan:
+    """A CTA's tensor-memory columns: `regions` (name, first column, width) laid out in order, `alloc` columns
+    allocated (what tcgen05.alloc takes: a power of two >= 32), `ctas_per_sm` CTAs sharing the SM's 512."""
+
+    regions: tuple[tuple[str, int, int], ...]
+    alloc: int
+    ctas_per_sm: int
+
+    def col(self, name: str) -> int:
+        """The first column of region `name`."""
+        for region, first, _ in self.regions:
+            if region == name:
+                return first
+        raise KeyError(f"no TMEM region {name!r} (regions: {[r for r, _, _ in self.regions]})")
+
+
+def tmem_plan(widths: dict[str, int], ctas_per_sm: int) -> TmemPlan:
+    """Regions of `widths` columns one after another; raises ValueError if `ctas_per_sm` CTAs overrun the SM."""
+    if ctas_per_sm < 1 or any(w < 1 for w in widths.values()):
+        raise ValueError(f"ctas_per_sm and every width must be >= 1, got {ctas_per_sm}, {widths}")
+    regions, first = [], 0
+    for name, width in widths.items():
+        regions.append((name, first, width))
+        first += width
+    alloc = max(32, 1 << (first - 1).bit_length())
+    if alloc * ctas_per_sm > TMEM_COLUMNS:
+        raise ValueError(f"TMEM: {ctas_per_sm} CTAs x {alloc} columns ({first} used) exceed the SM's {TMEM_COLUMNS}")
+    return TmemPlan(tuple(regions), alloc, ctas_per_sm)
+
+
+def check_smem(nbytes: int, ctas_per_sm: int, what: str) -> None:
+    """Raises ValueError if a CTA of `nbytes` shared memory, `ctas_per_sm` to an SM, does not fit."""
+    if nbytes > SMEM_PER_CTA:
+        raise ValueError(f"{what}: shared memory {nbytes} B exceeds the {SMEM_PER_CTA} B of a CTA")
+    if ctas_per_sm * (nbytes + SMEM_RESERVED_PER_CTA) > SMEM_PER_SM:
+        raise ValueError(f"{what}: {ctas_per_sm} CTAs x {nbytes} B (+{SMEM_RESERVED_PER_CTA} reserved each) exceed "
+                         f"the {SMEM_PER_SM} B of an SM")

@@ -18,6 +18,7 @@ from schedulers.device import TileScheduler
 
 from ..configs import DecodeConfig
 from ..decode_fixup import is_last_split, merge_unit, unit_rows
+from ..views import dth, flat, thd
 from .budgets import check_smem, tmem_plan
 
 CHUNK = 64        # the plan's token unit: a work tile covers chunks [chunk_start, chunk_end)
@@ -100,20 +101,12 @@ class SplitKVDecodeSm100:
         v_layout = sm100_utils.make_smem_layout_b(mma_pv, pv_tiler, io, ns * (C // BOX))
         p_layout = sm100_utils.make_smem_layout_a(mma_pv, (M, D, C), io, 1)
 
-        # K rows as (row, D, Hkv) (N, K, L); V as (D, row, Hkv) (N = D contiguous, K = row): row = page * page_size
-        # + slot over the flattened first two modes
-        def rows_view(t, v_major):
-            s = t.stride
-            shape = (t.shape[0] * t.shape[1], t.shape[3], t.shape[2])
-            stride = (s[1], s[3], s[2])
-            if cutlass.const_expr(v_major):
-                shape, stride = (shape[1], shape[0], shape[2]), (stride[1], stride[0], stride[2])
-            return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
-
         op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_k, tma_k_t = cute.nvgpu.make_tiled_tma_atom_B(op, rows_view(k_cache, False),
+        # K rows as (row, D, Hkv) (N, K, L); V as (D, row, Hkv) (N = D contiguous, K = row); row = page x page_size
+        # + slot over the flattened first two modes
+        tma_k, tma_k_t = cute.nvgpu.make_tiled_tma_atom_B(op, thd(flat(k_cache)),
                                                           cute.slice_(k_layout, (None, None, None, 0)), s_tiler, mma_s)
-        tma_v, tma_v_t = cute.nvgpu.make_tiled_tma_atom_B(op, rows_view(v_cache, True),
+        tma_v, tma_v_t = cute.nvgpu.make_tiled_tma_atom_B(op, dth(flat(v_cache)),
                                                           cute.slice_(v_layout, (None, None, None, 0)), pv_tiler,
                                                           mma_pv)
 

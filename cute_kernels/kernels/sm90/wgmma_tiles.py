@@ -1,6 +1,7 @@
 """Small SM90 building blocks of the chunked linear-attention kernels: swizzled 16-bit smem tiles, wgmma products on
-them, the accumulator -> smem -> global epilogue, and the [B, T, ...] tensor views. Every product is issued by one
+them, and the accumulator -> smem -> global epilogue. Every product is issued by one
 warpgroup (128 threads, `wtid` its thread index) with 64 x n x 16 atoms, 16-bit operands and an fp32 accumulator.
+The [B, T, ...] tensor views (`flat`, `thd`) live in `kernels.views` (every arch).
 """
 
 from __future__ import annotations
@@ -11,22 +12,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32
 from cutlass.cute.nvgpu import warp, warpgroup
 
-
-def flat(t):
-    """[B, T, ...] -> [B * T, ...]: the ops pass contiguous tensors, so B's stride is T times T's (flattening in the
-    kernel keeps tensor views off the host's per-call path)."""
-    return cute.make_tensor(
-        t.iterator,
-        cute.make_layout((t.shape[0] * t.shape[1],) + tuple(t.shape[2:]), stride=(t.stride[1],) + tuple(t.stride[2:])),
-    )
-
-
-def thd(t):
-    """A [tokens, H, D] tensor as (tokens, D, H), the per-head 2-D tiles TMA loads."""
-    return cute.make_tensor(
-        t.iterator,
-        cute.make_layout((t.shape[0], t.shape[2], t.shape[1]), stride=(t.stride[0], t.stride[2], t.stride[1])),
-    )
+from ..views import flat, thd  # noqa: F401  (wt.flat / wt.thd: the kernels' tensor views)
 
 
 def smem_layout(rows: int, cols: int, dtype, stages: int = 1, mn_view: bool = False):

@@ -248,8 +248,8 @@ GPU_MUTANTS = [
     Mutant("new tokens' causal mask off by one", "decode softmax", DECODE,
            "visible = visible and t <= length - self.q_len + r // self.group",
            "visible = visible and t < length - self.q_len + r // self.group", G_DECODE_CAUSAL, True),
-    Mutant("last partial block's length taken as 64", "decode split range", DECODE,
-           "        if kv_end > length:\n            kv_end = length\n", "", G_DECODE, True),
+    Mutant("last partial block's length taken as 64", "decode split range (decode_fixup.split_range)", FIXUP,
+           "    if kv_end > length:\n        kv_end = length\n", "", G_DECODE, True),
     # -- GVA in the chunked forward
     Mutant("GVA: q / k read at the value head", "the q / k / v producer (chunk-local)", LOCAL,
            "h = head if group == 1 else head // group", "h = head", ("tests/test_gdn_sm90.py@gva and 1000",), True),

@@ -1,6 +1,7 @@
 """The split-KV fixup (every arch): a unit's partials (o normalized within its split, lse) merged into its output.
 
-`merge_unit` is the merge (the math of `reference.softmax_attention.lse_merge`). Inside the decode kernel,
+`split_range` maps a work tile to its tokens (both decode kernels). `merge_unit` is the merge (the math of
+`reference.softmax_attention.lse_merge`). Inside the decode kernel,
 `is_last_split` picks the CTA that runs it: every split's CTA, once its partial is stored, fences (gpu-scope
 acq_rel) and adds 1 to its unit's counter; the one that sees num_splits - 1 is last, puts the counter back to 0
 for the next call, fences again and merges. No CTA waits on another. `SplitKVFixup` runs the same merge as a
@@ -27,6 +28,25 @@ def unit_rows(t: cute.Tensor, group: int) -> cute.Tensor:
     shape = ((hkv, t.shape[0]), (group, t.shape[1])) + tuple(t.shape[3:])
     stride = ((group * s[2], s[0]), (s[2], s[1])) + tuple(s[3:])
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+@cute.jit
+def split_range(work, num_kv_heads, mLens, chunk: int, block: int):
+    """(unit's batch row, KV head, first token, end token, blocks, length) of a decode work tile: its chunks
+    [chunk_start, chunk_end) of `chunk` tokens clipped to the cache length read on the device (the plan only knew
+    an upper bound), in blocks of `block` tokens."""
+    unit = work.seq
+    b = unit // num_kv_heads
+    kv_head = unit - b * num_kv_heads
+    kv0 = work.chunk_start * chunk
+    kv_end = work.chunk_end * chunk
+    length = mLens[b]
+    if kv_end > length:
+        kv_end = length
+    blocks = Int32(0)
+    if kv_end > kv0:
+        blocks = (kv_end - kv0 + block - 1) // block
+    return b, kv_head, kv0, kv_end, blocks, length
 
 
 @cute.jit

@@ -17,7 +17,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from schedulers.device import TileScheduler
 
 from ..configs import DecodeConfig
-from ..decode_fixup import is_last_split, merge_unit, unit_rows
+from ..decode_fixup import is_last_split, merge_unit, split_range, unit_rows
 from ..views import dth, flat, thd
 from .budgets import check_smem, tmem_plan
 
@@ -199,23 +199,6 @@ class SplitKVDecodeSm100:
                 tmem.free(base)
 
     @cute.jit
-    def split_range(self, work, num_kv_heads, mLens):
-        """(unit's batch row, KV head, first token, end token, blocks, length) of a work tile, clipped to the cache
-        length read on the device (the plan only knew an upper bound)."""
-        unit = work.seq
-        b = unit // num_kv_heads
-        kv_head = unit - b * num_kv_heads
-        kv0 = work.chunk_start * CHUNK
-        kv_end = work.chunk_end * CHUNK
-        length = mLens[b]
-        if kv_end > length:
-            kv_end = length
-        blocks = Int32(0)
-        if kv_end > kv0:
-            blocks = (kv_end - kv0 + C - 1) // C
-        return b, kv_head, kv0, kv_end, blocks, length
-
-    @cute.jit
     def producer(self, sched, load, mma_s, mma_pv, tma_k, mK, tma_v, mV, sK, sV, mLens, mPages, page_size,
                  num_kv_heads):
         """The load warp: every block of every (non-padding) tile, K and V box by box."""
@@ -226,7 +209,7 @@ class SplitKVDecodeSm100:
         work = sched.initial_work()
         while work.is_valid:
             if work.seg_slot >= 0:
-                b, kv_head, kv0, kv_end, blocks, length = self.split_range(work, num_kv_heads, mLens)
+                b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, CHUNK, C)
                 last_box = ((length - 1) // BOX) * BOX
                 for j in cutlass.range(blocks, unroll=1):
                     load.producer_acquire(state)
@@ -270,7 +253,7 @@ class SplitKVDecodeSm100:
         work = sched.initial_work()
         while work.is_valid:
             if work.seg_slot >= 0:
-                _, _, _, _, blocks, _ = self.split_range(work, num_kv_heads, mLens)
+                _, _, _, _, blocks, _ = split_range(work, num_kv_heads, mLens, CHUNK, C)
                 q_full.consumer_wait(q_state)
                 o_full.producer_acquire(o_state)   # the previous tile's O read out of TMEM
                 for j in cutlass.range(blocks, unroll=1):
@@ -341,7 +324,7 @@ class SplitKVDecodeSm100:
         work = sched.initial_work()
         while work.is_valid:
             if work.seg_slot >= 0:
-                b, kv_head, kv0, kv_end, blocks, length = self.split_range(work, num_kv_heads, mLens)
+                b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, CHUNK, C)
                 row_max = -Float32.inf
                 row_sum = Float32(0.0)
                 q_full.producer_acquire(q_state)   # the previous tile's S MMAs are done with sQ

@@ -16,7 +16,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from schedulers.device import TileScheduler
 
 from ..configs import DECODE_ROWS, DecodeConfig
-from ..decode_fixup import is_last_split, merge_unit, unit_rows
+from ..decode_fixup import is_last_split, merge_unit, split_range, unit_rows
 from . import wgmma_tiles as wt
 
 C = 64        # KV tokens per block: one ring stage
@@ -126,30 +126,13 @@ class SplitKVDecodeSm90:
                           num_kv_heads, scale, softcap)
 
     @cute.jit
-    def split_range(self, work, num_kv_heads, mLens):
-        """(unit's batch row, KV head, first token, end token, blocks) of a work tile, clipped to the cache length
-        read on the device (the plan only knew an upper bound)."""
-        unit = work.seq
-        b = unit // num_kv_heads
-        kv_head = unit - b * num_kv_heads
-        kv0 = work.chunk_start * C
-        kv_end = work.chunk_end * C
-        length = mLens[b]
-        if kv_end > length:
-            kv_end = length
-        blocks = Int32(0)
-        if kv_end > kv0:
-            blocks = (kv_end - kv0 + C - 1) // C
-        return b, kv_head, kv0, kv_end, blocks, length
-
-    @cute.jit
     def producer(self, sched, load, tma_k, mK, tma_v, mV, sK, sV, mLens, mPages, page_size, num_kv_heads):
         """The load warp: every block of every (non-padding) tile, K and V box by box (see the class docstring)."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         work = sched.initial_work()
         while work.is_valid:
             if work.seg_slot >= 0:
-                b, kv_head, kv0, kv_end, blocks, length = self.split_range(work, num_kv_heads, mLens)
+                b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, C, C)
                 last_box = ((length - 1) // BOX) * BOX
                 for j in cutlass.range(blocks, unroll=1):
                     load.producer_acquire(state)
@@ -211,7 +194,7 @@ class SplitKVDecodeSm90:
         work = sched.initial_work()
         while work.is_valid:
             if work.seg_slot >= 0:
-                b, kv_head, kv0, kv_end, blocks, length = self.split_range(work, num_kv_heads, mLens)
+                b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, C, C)
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)   # the last tile's products read sQ
                 self.load_q(wtid, mQ, b, kv_head, sQ)
                 cute.arch.fence_proxy("async.shared", space="cta")

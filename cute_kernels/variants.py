@@ -48,7 +48,8 @@ def _variants() -> list[Variant]:
     from .kernels.build import (build_affine_merge, build_decode, build_decode_fixup, build_fused, build_lse_merge,
                                 build_prep, build_recurrent_step, build_state_pass,
                                 build_state_pool_copy)
-    from .kernels.configs import DecodeConfig, FusedConfig, MergeConfig, PrepConfig, RecurrentConfig, StateConfig
+    from .kernels.configs import (DecodeConfig, FusedConfig, GateForm, MergeConfig, PrepConfig, RecurrentConfig,
+                                  StateConfig)
 
     bf, f16, f32 = torch.bfloat16, torch.float16, torch.float32
     out = []
@@ -87,11 +88,17 @@ def _variants() -> list[Variant]:
                  (FusedConfig(kda, "forward", True, True, persistent=True), bf, bf),
                  (FusedConfig(kda, "summary"), bf, bf), (FusedConfig(kda, "segment_outputs", True, True), bf, bf)]
         fused.append((FusedConfig(kda, "forward", True, True, group=2), bf, bf))   # GVA
+        # FLA's gate arguments in the loads: GDN's softplus gate, KDA's bounded one; beta through a sigmoid
+        in_kernel = GateForm("bounded" if kda else "softplus", True, True, "sigmoid2")
+        fused.append((FusedConfig(kda, "forward", True, True, gate=in_kernel), bf, bf))
         for cfg, io, beta in fused:
             name = (f"{tag}_fused_{cfg.mode}" + ("_init" if cfg.initial_state else "")
                     + ("_final" if cfg.final_state else "") + ("_persistent" if cfg.persistent else "")
-                    + (f"_gva{cfg.group}" if cfg.group > 1 else "") + f"_{_dtype_tag(io)}_beta_{_dtype_tag(beta)}")
+                    + (f"_gva{cfg.group}" if cfg.group > 1 else "") + (f"_gate_{cfg.gate.g}" if cfg.gate.g != "log"
+                                                                        else "")
+                    + f"_{_dtype_tag(io)}_beta_{_dtype_tag(beta)}")
             need = (WGMMA, TMA_LOAD, REGS_UP, "setmaxnreg.dec")
+            need += ("ex2.approx",) if cfg.gate.g != "log" else ()
             need += ("st.shared.v4", "ld.shared.v4", "cp.async.ca.shared.global", "cp.async.wait_group") if kda else ()
             out.append(Variant(op, name, lambda d, c=cfg, io=io, b=beta: build_fused(c, io, b, dump_dir=d), need, SM90))
         # phase 1: the plain path's folded builds (GDN at 2 and 3 CTAs per SM), the overlapped path's builds
@@ -108,6 +115,10 @@ def _variants() -> list[Variant]:
         out.append(Variant(op, f"{tag}_prep_folded_gva2",
                            lambda d, kda=kda: build_prep(PrepConfig(kda, "folded", 1 if kda else 2, group=2), bf, bf,
                                                          dump_dir=d), (WGMMA, TMA_LOAD), SM90))
+        out.append(Variant(op, f"{tag}_prep_folded_gate_{in_kernel.g}",
+                           lambda d, kda=kda, gate=in_kernel: build_prep(PrepConfig(kda, "folded", 1 if kda else 2,
+                                                                                    gate=gate), bf, bf, dump_dir=d),
+                           (WGMMA, TMA_LOAD, "ex2.approx"), SM90))
         out.append(Variant(op, f"{tag}_prep_folded_fp16_beta_float32",
                            lambda d, kda=kda: build_prep(PrepConfig(kda, "folded", 1 if kda else 2), f16, f32,
                                                          dump_dir=d), (WGMMA, TMA_LOAD), SM90))

@@ -123,13 +123,17 @@ CPU_MUTANTS = [
     # -- torch.compile: the fake implementation must give the real outputs' shapes
     Mutant("fake output shape wrong", "chunked forward's fake (ops/torch_ops.py)", "cute_kernels/ops/torch_ops.py",
            "N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1", "N = B", ("tests/test_torch_ops.py",)),
-    # -- FLA's gate arguments, applied before the chunked kernels
-    Mutant("dt_bias ignored", "gate arguments (ops.linear_attention.gate_inputs)", OPS,
-           "            x = x + dt_bias.float().reshape((HV, -1) if kda else (HV,))", "            pass",
+    # -- FLA's gate arguments, checked and turned into the kernels' gate form
+    Mutant("dt_bias ignored", "gate arguments (ops.linear_attention.gate_arguments)", OPS,
+           "            bias = dt_bias.reshape(-1).float()", "            bias = None",
            ("tests/test_gdn_sm90.py@gate_arguments_match",)),
-    Mutant("allow_neg_eigval ignored", "gate arguments (ops.linear_attention.gate_inputs)", OPS,
-           "beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)",
-           "beta = torch.sigmoid(beta.float())", ("tests/test_gdn_sm90.py@gate_arguments_match",)),
+    Mutant("allow_neg_eigval ignored", "gate arguments (ops.linear_attention.gate_arguments)", OPS,
+           'beta=("sigmoid2" if allow_neg_eigval else "sigmoid")', 'beta=("sigmoid" if allow_neg_eigval else "sigmoid")',
+           ("tests/test_gdn_sm90.py@gate_arguments_match",)),
+    Mutant("gate form not passed to phase 1", "op wiring (ops.linear_attention.run)", OPS,
+           "prep = PrepRun(prep_config(plan.kda, plan.prep_ctas_per_sm, group, gate)",
+           "prep = PrepRun(prep_config(plan.kda, plan.prep_ctas_per_sm, group)",
+           ("tests/test_ops_host.py@gate_arguments_reach",)),
     # -- SM100 budgets: the SM's TMEM is shared by its CTAs
     Mutant("TMEM budget checked for one CTA, not ctas_per_sm", "SM100 budgets (kernels.sm100.budgets.tmem_plan)",
            "cute_kernels/kernels/sm100/budgets.py", "if alloc * ctas_per_sm > TMEM_COLUMNS:",
@@ -259,6 +263,9 @@ GPU_MUTANTS = [
            "                    cute.autovec_copy(cute.local_tile(pool[0, head, r, None], (VEC,), (c,)), buf)",
            ("tests/test_gdn_sm90.py@state_pool_in_place and 300",), True),
     # -- the recurrent decode step
+    Mutant("dt_bias ignored in the chunked kernels", "gate loads (chunk_local.gate_value)",
+           "cute_kernels/kernels/sm90/chunk_local.py", "            x = x + bias\n", "",
+           ("tests/test_gdn_sm90.py@gate_arguments_against_fla and gate-",), True),
     Mutant("GVA heads tiled instead of grouped", "recurrent step", STEP, "h = hv // cfg.group", "h = hv % cfg.group",
            ("tests/test_recurrent.py@kernel_matches_spec and weak",), True),
     Mutant("final state written to the initial slot", "recurrent step", STEP, "slot = final_idx[n, 0]",

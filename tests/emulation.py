@@ -16,14 +16,28 @@ def rows(tiles, num_tiles):
     return [{f: row[i] for f, i in COL.items()} for row in tiles[:num_tiles].tolist()]
 
 
+def gated(cfg, g, beta, a_log, dt_bias, lower_bound):
+    """(g, beta) as the kernels read them under `cfg.gate` (FLA's gate arguments; the float64 spec's formulas)."""
+    from cute_kernels.reference.recurrent_step import gate_values
+
+    form = cfg.gate
+    if form.g != "log":
+        g = gate_values(g.double(), cfg.kda, a_log if form.a_log else None, dt_bias if form.dt_bias else None,
+                        lower_bound if form.g == "bounded" else None).float()
+    if form.beta != "value":
+        beta = torch.sigmoid(beta.double()).float() * (2.0 if form.beta == "sigmoid2" else 1.0)
+    return g, beta
+
+
 class FusedEmulator:
     """One launch of `ChunkedForwardSm90` (`FusedConfig`), tile by tile, with the float64 chunked reference."""
 
     def __init__(self, config):
         self.config = config
 
-    def fn(self, q, k, v, g, beta, o, s_in, s_out, tiles, num_tiles, grid, scale):
+    def fn(self, q, k, v, g, beta, a_log, dt_bias, lower_bound, o, s_in, s_out, tiles, num_tiles, grid, scale):
         cfg = self.config
+        g, beta = gated(cfg, g, beta, a_log, dt_bias, lower_bound)
         # the kernel takes [B, T, ...] tensors and flattens B and T (they must be contiguous)
         assert all(t.is_contiguous() for t in (q, k, v, g, beta, o))
         q, k, v, g, beta, o = (t.flatten(0, 1) for t in (q, k, v, g, beta, o))
@@ -83,11 +97,12 @@ class PrepEmulator:
     def __init__(self, config):
         self.config = config
 
-    def fn(self, q, k, v, g, beta, query, key, value, update_key, intra, decay, tiles, num_tiles, grid, scale,
-           flags, chunks_per_seq, consumers):
+    def fn(self, q, k, v, g, beta, a_log, dt_bias, lower_bound, query, key, value, update_key, intra, decay, tiles,
+           num_tiles, grid, scale, flags, chunks_per_seq, consumers):
         from cute_kernels.paths.two_phase import chunk_prep_torch
 
         cfg = self.config
+        g, beta = gated(cfg, g, beta, a_log, dt_bias, lower_bound)
         folded = cfg.terms == "folded"
         B, T = q.shape[:2]
         spans = {}

@@ -307,8 +307,9 @@ def test_gate_arguments_match_the_spec():
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("form", ["gate", "gate_beta_neg", "lower_bound"])
 def test_gate_arguments_against_fla(kda, form, path):
-    """use_gate_in_kernel (A_log, dt_bias; KDA's lower_bound), use_beta_sigmoid_in_kernel and allow_neg_eigval:
-    ours against FLA with the same flags, and against the float64 reference on the transformed gates."""
+    """use_gate_in_kernel (A_log, dt_bias; KDA's lower_bound), use_beta_sigmoid_in_kernel and allow_neg_eigval,
+    applied before the kernels (the torch.compile path) and in each path's kernels: against the float64 reference
+    on the transformed gates, and against FLA with the same flags."""
     if form == "lower_bound" and not kda:
         pytest.skip("lower_bound is KDA's")
     fla = import_peer("fla.ops.kda" if kda else "fla.ops.gated_delta_rule")
@@ -331,8 +332,13 @@ def test_gate_arguments_against_fla(kda, form, path):
     want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g_log, b_used, initial_state=init,
                                                    output_final_state=True)
     o, s = la.forward(q, k, v, g_log, b_used, None, init, True, None, False, None, None, kda=kda, options=path)
+    gate = la.gate_arguments(g_raw, beta, kda, True, A_log, dt_bias, kw.get("lower_bound"),
+                             kw.get("use_beta_sigmoid_in_kernel", False), kw.get("allow_neg_eigval", False))
+    o3, s3 = la.forward(q, k, v, g_raw, beta, None, init, True, None, False, None, None, kda=kda, options=path,
+                        gate=gate)   # the gate arguments applied in this path's kernels
     o2, s2 = op(q, k, v, g_raw, beta, initial_state=init, output_final_state=True, **kw)
     assert rel_err(o, want_o) <= 5e-3 and rel_err(s, want_s) <= 5e-3
+    assert rel_err(o3, want_o) <= 5e-3 and rel_err(s3, want_s) <= 5e-3
     assert rel_err(o2, want_o) <= 5e-3 and rel_err(s2, want_s) <= 5e-3   # the public call (the planner's path)
     fla_op = fla.chunk_kda if kda else fla.chunk_gated_delta_rule
     o_fla, s_fla = fla_op(q, k, v, g_raw, beta, initial_state=init, output_final_state=True, **kw)

@@ -155,3 +155,32 @@ def test_empty_sequence_batch(builds):
     assert o.shape == (2, 0, 2, 128) and torch.equal(s, s0) and builds == []
     o, s = call(True, q, k, v, g, beta, output_final_state=True)
     assert torch.equal(s, torch.zeros_like(s0))
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("path", ["fused", "fused_segments", "two_phase"])
+def test_gate_arguments_reach_the_kernels(monkeypatch, kda, path):
+    """FLA's gate arguments applied in the kernels' loads (`gate_arguments` -> each build's `GateForm` and the
+    launch's (A_log, dt_bias, lower_bound)): every path's emulated kernels give the float64 reference on the gates
+    the spec computes, and the builds carry the form."""
+    from emulation import emulate
+
+    builds = emulate(monkeypatch)
+    gen = torch.Generator().manual_seed(41 + kda)
+    q, k, v, _, beta_raw = make_inputs(2, 200, 2, gen, kda=kda)
+    g_raw = torch.randn((2, 200, 2, 128) if kda else (2, 200, 2), generator=gen)
+    beta_raw = torch.randn(2, 200, 2, generator=gen).to(q.dtype)
+    A_log, dt_bias = torch.rand(2, generator=gen) - 2, 0.5 * torch.randn((2, 128) if kda else (2,), generator=gen)
+    lb = -4.0 if kda else None
+    gate = la.gate_arguments(g_raw, beta_raw, kda, True, A_log, dt_bias, lb, True, True)
+    g_log, beta = la.gate_inputs(g_raw, beta_raw, kda, True, A_log, dt_bias, lb, True, True)
+    s0 = initial_state(2, 2, gen)
+    options = {"fused": FUSED, "fused_segments": FUSED, "two_phase": PlanOptions(path="two_phase")}[path]
+    sched = SegmentScheduler(num_segments=3, min_chunks=1) if path == "fused_segments" else None
+    o, s = la.forward(q, k, v, g_raw, beta_raw, None, s0, True, None, False, sched, None, kda=kda, options=options,
+                      gate=gate)
+    want_o, want_s = ref.chunk_gated_delta_rule_ref(q, k, v, g_log, beta, initial_state=s0, output_final_state=True)
+    # (two-phase: phase 1's terms are bf16 in the emulation too)
+    assert rel(o, want_o) < 1e-2 and rel(s, want_s) < (5e-3 if path == "two_phase" else 1e-4)
+    forms = {b.gate for b in builds if hasattr(b, "gate")}
+    assert forms == {gate[0]} and gate[0].beta == "sigmoid2" and gate[0].g == ("bounded" if kda else "softplus")

@@ -25,8 +25,9 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def build_fused(config: FusedConfig, io_dtype: torch.dtype, beta_dtype: torch.dtype, dump_dir=None) -> Compiled:
-    """The fused forward. Its function takes (q, k, v, g fp32, beta, o, initial_state, final_state, tiles,
-    num_tiles, grid, scale): 4-D / 3-D [B, T, ...] tensors as the op has them, states [N, H, 128, 128] fp32."""
+    """The fused forward. Its function takes (q, k, v, g fp32, beta, a_log, dt_bias, lower_bound, o, initial_state,
+    final_state, tiles, num_tiles, grid, scale): 4-D / 3-D [B, T, ...] tensors as the op has them, states
+    [N, H, 128, 128] fp32; a_log / dt_bias flat fp32 (1-element stand-ins unless config.gate reads them)."""
 
     def build():
         _sm90("the fused forward")
@@ -40,6 +41,7 @@ def build_fused(config: FusedConfig, io_dtype: torch.dtype, beta_dtype: torch.dt
             wide(), wide(), wide(),
             fake_tensor(f32, (DYN, DYN, DYN, 128) if config.kda else (DYN, DYN, DYN), align=4),
             fake_tensor(bt, (DYN, DYN, DYN), align=2),
+            fake_tensor(f32, (DYN,), align=4), fake_tensor(f32, (DYN,), align=4), f32(0.0),   # a_log, dt_bias, lb
             wide(),
             fake_tensor(f32, (DYN, DYN, 128, 128)),
             fake_tensor(f32, (DYN, DYN, 128, 128)),
@@ -55,7 +57,8 @@ def build_fused(config: FusedConfig, io_dtype: torch.dtype, beta_dtype: torch.dt
 
 
 def build_prep(config: PrepConfig, io_dtype: torch.dtype, beta_dtype: torch.dtype, dump_dir=None) -> Compiled:
-    """Phase 1. Its function takes (q, k, v, g fp32, beta, query, key, value, update_key, intra, decay, tiles,
+    """Phase 1. Its function takes (q, k, v, g fp32, beta, a_log, dt_bias, lower_bound (as `build_fused`), query,
+    key, value, update_key, intra, decay, tiles,
     num_tiles, grid, scale, flags, chunks_per_seq, consumers): the outputs in `ChunkTerms`' slots (those the
     build does not write may be any tensor of their shape: the call's q, k, v)."""
 
@@ -73,6 +76,7 @@ def build_prep(config: PrepConfig, io_dtype: torch.dtype, beta_dtype: torch.dtyp
         token_factors = not config.kda and config.terms == "folded"
         args = (
             wide(), wide(), wide(), gate(), fake_tensor(bt, (DYN, DYN, DYN), align=2),   # q, k, v, g, beta
+            fake_tensor(f32, (DYN,), align=4), fake_tensor(f32, (DYN,), align=4), f32(0.0),   # a_log, dt_bias, lb
             wide(), wide(), wide(), wide(),                                              # query .. update_key
             fake_tensor(io, (DYN, DYN, DYN, 64)),                                        # intra
             fake_tensor(f32, (DYN, DYN, DYN, 4), align=16) if token_factors else gate(),   # decay

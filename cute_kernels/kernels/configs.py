@@ -18,9 +18,44 @@ def _mode(mode: str) -> None:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
+def _gate(gate, kda: bool) -> None:
+    if not isinstance(gate, GateForm):
+        raise ValueError(f"gate must be a GateForm, got {gate!r}")
+    if gate.g == "bounded" and not kda:
+        raise ValueError("the bounded gate (lower_bound) is KDA's")
+
+
 def _group(group: int) -> None:
     if not isinstance(group, int) or group < 1:
         raise ValueError(f"group (value heads per q / k head) must be an int >= 1, got {group!r}")
+
+
+GATE_FORMS = ("log", "softplus", "bounded")
+BETA_FORMS = ("value", "sigmoid", "sigmoid2")
+
+
+@dataclass(frozen=True)
+class GateForm:
+    """How the chunked kernels read g and beta: FLA's gate arguments applied as each value is loaded.
+    g: "log" (the log decay as given), "softplus" (use_gate_in_kernel: g = -A softplus(x)), "bounded" (KDA's
+    lower_bound: g = lower_bound sigmoid(A x)); x = g + dt_bias (with `dt_bias`: per head, KDA per (head, key));
+    A = exp(A_log[head]) with `a_log`, else 1. beta: "value", "sigmoid" (use_beta_sigmoid_in_kernel), "sigmoid2"
+    (and allow_neg_eigval: 2 sigmoid). Rows past a sequence's end keep g = 0 and beta = 0."""
+
+    g: str = "log"
+    a_log: bool = False
+    dt_bias: bool = False
+    beta: str = "value"
+
+    def __post_init__(self):
+        if self.g not in GATE_FORMS:
+            raise ValueError(f"gate form g must be one of {GATE_FORMS}, got {self.g!r}")
+        if self.beta not in BETA_FORMS:
+            raise ValueError(f"gate form beta must be one of {BETA_FORMS}, got {self.beta!r}")
+        if self.g == "log" and (self.a_log or self.dt_bias):
+            raise ValueError("a_log / dt_bias belong to the in-kernel gate forms (g 'softplus' or 'bounded')")
+        if self.g == "softplus" and not self.a_log:
+            raise ValueError("the softplus gate needs a_log")
 
 
 @dataclass(frozen=True)
@@ -29,7 +64,8 @@ class FusedConfig:
     mode: `forward` (start from the initial state or 0, write o and, at a sequence's last segment, the final
     state), `summary` (the segment's affine map from 0 / I, no o), `segment_outputs` (start from the merged start
     state of the segment's slot, write o). persistent: CTAs loop over the tile table (PersistentScheduler).
-    group: value heads per q / k head (GVA): the work tile's head hv reads q and k at hv // group."""
+    group: value heads per q / k head (GVA): the work tile's head hv reads q and k at hv // group.
+    gate: `GateForm`, how g and beta are read (FLA's gate arguments, applied at the load)."""
 
     kda: bool = False
     mode: str = "forward"
@@ -37,10 +73,12 @@ class FusedConfig:
     final_state: bool = False
     persistent: bool = False
     group: int = 1
+    gate: GateForm = GateForm()
 
     def __post_init__(self):
         _mode(self.mode)
         _group(self.group)
+        _gate(self.gate, self.kda)
 
 
 @dataclass(frozen=True)
@@ -52,7 +90,7 @@ class PrepConfig:
     ctas_per_sm: GDN's folded build runs 2 or 3 CTAs per SM (3: Akk over the dead q tile, for grids past one
     wave of 2); every other build 1. publish: the overlapped path's build (persistent grid, a flag per chunk).
     pdl: programmatic dependent launch: the state pass's prologue overlaps this grid's tail. group: GVA, as
-    `FusedConfig` (the terms are per value head)."""
+    `FusedConfig` (the terms are per value head). gate: `GateForm`, as `FusedConfig`."""
 
     kda: bool = False
     terms: str = "folded"
@@ -60,9 +98,11 @@ class PrepConfig:
     publish: bool = False
     pdl: bool = True
     group: int = 1
+    gate: GateForm = GateForm()
 
     def __post_init__(self):
         _group(self.group)
+        _gate(self.gate, self.kda)
         if self.terms not in ("folded", "solved"):
             raise ValueError(f"terms must be 'folded' or 'solved', got {self.terms!r}")
         built = ((self.kda and self.terms == "folded" and self.ctas_per_sm == 1)

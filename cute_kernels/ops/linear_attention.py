@@ -12,6 +12,8 @@ import os
 import torch
 
 from ..checks import check_cuda, check_no_grad, check_qkv, check_shape, check_tensor
+from ..kernels.configs import GateForm
+from ..paths import plain_gate
 from ..paths.fused import DeviceTableRun, FusedRun
 from ..paths.two_phase import OverlapRun, PrepRun, StateRun, overlap_free, prep_config
 from ..plan import ForwardPlan, PlanOptions, plan_forward
@@ -87,12 +89,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     torch.compile the call is the custom op `torch.ops.cute_kernels.chunk_gated_delta_rule`. SM90 only for now.
     """
     unsupported_arguments("chunk_gated_delta_rule", state_v_first=state_v_first, cp_context=cp_context)
-    g, beta = gate_inputs(g, beta, False, use_gate_in_kernel, A_log, dt_bias, None, use_beta_sigmoid_in_kernel,
+    gate = gate_arguments(g, beta, False, use_gate_in_kernel, A_log, dt_bias, None, use_beta_sigmoid_in_kernel,
                           allow_neg_eigval)
     return pooled_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
                           cu_seqlens_cpu if cu_seqlens_cpu is not None and not use_graph else cu_seqlens, use_qk_l2norm_in_kernel,
                           scheduler, out, initial_state_indices, final_state_indices, kda=False,
-                          use_graph=use_graph, max_num_seqs=max_num_seqs)
+                          use_graph=use_graph, max_num_seqs=max_num_seqs, gate=gate)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -115,23 +117,23 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     """
     unsupported_arguments("chunk_kda", state_v_first=state_v_first, cp_context=cp_context,
                           return_intermediate_states=return_intermediate_states)
-    g, beta = gate_inputs(g, beta, True, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
+    gate = gate_arguments(g, beta, True, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
                           allow_neg_eigval)
     return pooled_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
                           cu_seqlens_cpu if cu_seqlens_cpu is not None and not use_graph else cu_seqlens, use_qk_l2norm_in_kernel,
                           scheduler, out, initial_state_indices, final_state_indices, kda=True,
-                          use_graph=use_graph, max_num_seqs=max_num_seqs)
+                          use_graph=use_graph, max_num_seqs=max_num_seqs, gate=gate)
 
 
 def pooled_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
                    scheduler, out, initial_state_indices, final_state_indices, *, kda: bool, use_graph: bool = False,
-                   max_num_seqs: int | None = None):
+                   max_num_seqs: int | None = None, gate=None):
     """`forward`, with the states through a pool when indices are given: the start states gathered from the
     pool, the final states scattered back into it (returned: the pool itself)."""
     if initial_state_indices is None and final_state_indices is None:
         return forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                        use_qk_l2norm_in_kernel, scheduler, out, kda=kda, use_graph=use_graph,
-                       max_num_seqs=max_num_seqs)
+                       max_num_seqs=max_num_seqs, gate=gate)
     check_tensor("q", q, dtypes=IO_DTYPES, ndim=4)
     check_tensor("v", v, dtypes=(q.dtype,), ndim=4)
     N = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
@@ -144,7 +146,7 @@ def pooled_forward(q, k, v, g, beta, scale, initial_state, output_final_state, c
     start = gather_states(initial_state, initial_state_indices) if initial_state_indices is not None else None
     o, final = forward(q, k, v, g, beta, scale, start, final_state_indices is not None, cu_seqlens,
                        use_qk_l2norm_in_kernel, scheduler, out, kda=kda, use_graph=use_graph,
-                       max_num_seqs=max_num_seqs)
+                       max_num_seqs=max_num_seqs, gate=gate)
     if final_state_indices is not None:
         scatter_states(final, initial_state, final_state_indices)
     return o, initial_state if output_final_state else None
@@ -160,12 +162,13 @@ def unsupported_arguments(name: str, **flags) -> None:
             raise NotImplementedError(f"{name}: {arg} is not supported ({why[arg]})")
 
 
-def gate_inputs(g, beta, kda: bool, use_gate_in_kernel: bool, A_log, dt_bias, lower_bound,
-                use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool):
-    """FLA's gate arguments applied to (g, beta) before the kernels (one elementwise pass each; g comes back fp32
-    when transformed). Without them, (g, beta) unchanged."""
+def gate_arguments(g, beta, kda: bool, use_gate_in_kernel: bool, A_log, dt_bias, lower_bound,
+                   use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool):
+    """FLA's gate arguments, checked, as the kernels apply them while loading g and beta: (GateForm, A_log fp32
+    [HV] or None, dt_bias fp32 flat or None, lower_bound or None). Without them, the plain form."""
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (as FLA)")
+    a_log = bias = None
     if use_gate_in_kernel:
         check_tensor("g", g, dtypes=(torch.float32, torch.bfloat16, torch.float16), ndim=4 if kda else 3)
         HV = g.shape[2]
@@ -174,27 +177,47 @@ def gate_inputs(g, beta, kda: bool, use_gate_in_kernel: bool, A_log, dt_bias, lo
         if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))
                                         or lower_bound >= 0):
             raise ValueError(f"lower_bound must be a negative number, got {lower_bound!r}")
-        x = g.float()
         if dt_bias is not None:
             check_tensor("dt_bias", dt_bias, dtypes=(torch.float32, torch.bfloat16, torch.float16), align=4)
             want = HV * g.shape[3] if kda else HV
             if dt_bias.numel() != want:
                 raise ValueError(f"dt_bias must have {want} elements ([HV{', K' if kda else ''}]), got shape "
                                  f"{tuple(dt_bias.shape)}")
-            x = x + dt_bias.float().reshape((HV, -1) if kda else (HV,))
-        a = None
+            bias = dt_bias.reshape(-1).float()
         if A_log is not None:
             check_tensor("A_log", A_log, dtypes=(torch.float32, torch.bfloat16, torch.float16), align=4)
             if A_log.numel() != HV:
                 raise ValueError(f"A_log must have HV = {HV} elements, got shape {tuple(A_log.shape)}")
-            a = A_log.float().exp().reshape((HV, 1) if kda else (HV,))
-        if lower_bound is not None:
+            a_log = A_log.reshape(-1).float()
+    else:
+        lower_bound = None
+    if use_beta_sigmoid_in_kernel:
+        check_tensor("beta", beta, dtypes=(torch.float32, torch.bfloat16, torch.float16), ndim=3, align=4)
+    form = GateForm(g=("bounded" if lower_bound is not None else "softplus") if use_gate_in_kernel else "log",
+                    a_log=a_log is not None, dt_bias=bias is not None,
+                    beta=("sigmoid2" if allow_neg_eigval else "sigmoid") if use_beta_sigmoid_in_kernel else "value")
+    return form, a_log, bias, (float(lower_bound) if lower_bound is not None else None)
+
+
+def gate_inputs(g, beta, kda: bool, use_gate_in_kernel: bool, A_log, dt_bias, lower_bound,
+                use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool):
+    """FLA's gate arguments applied to (g, beta) before the kernels, one elementwise pass each (the custom op's
+    path under torch.compile; eager calls apply them in the kernels' loads, `gate_arguments`). g comes back fp32
+    when transformed. Without them, (g, beta) unchanged."""
+    form, a_log, bias, lower_bound = gate_arguments(g, beta, kda, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                                                    use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    if form.g != "log":
+        HV = g.shape[2]
+        x = g.float()
+        if bias is not None:
+            x = x + bias.reshape((HV, -1) if kda else (HV,))
+        a = a_log.exp().reshape((HV, 1) if kda else (HV,)) if a_log is not None else None
+        if form.g == "bounded":
             g = lower_bound * torch.sigmoid(x if a is None else a * x)
         else:
             g = -a * torch.nn.functional.softplus(x)
-    if use_beta_sigmoid_in_kernel:
-        check_tensor("beta", beta, dtypes=(torch.float32, torch.bfloat16, torch.float16), ndim=3, align=4)
-        beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
+    if form.beta != "value":
+        beta = torch.sigmoid(beta.float()) * (2.0 if form.beta == "sigmoid2" else 1.0)
     return g, beta
 
 
@@ -214,9 +237,10 @@ def explain_last() -> str | None:
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
             scheduler, out, *, kda: bool, options: PlanOptions | None = None, use_graph: bool = False,
-            max_num_seqs: int | None = None):
+            max_num_seqs: int | None = None, gate=None):
     """The ops' common forward: validate, plan (cached), run. `options` pins the planner's choices (tests).
-    `use_graph` with cu_seqlens: cu_seqlens is never read on the host (`DeviceTableRun`)."""
+    `use_graph` with cu_seqlens: cu_seqlens is never read on the host (`DeviceTableRun`). `gate`: FLA's gate
+    arguments (`gate_arguments`), applied by the kernels as they load g and beta (None: g and beta as given)."""
     global _last
     name = "chunk_kda" if kda else "chunk_gated_delta_rule"
     check_no_grad(name, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
@@ -250,17 +274,22 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         if final is not None:
             final.copy_(initial_state if init else torch.zeros_like(final))
         return o, final if output_final_state else None
-    if CHECK_GATES:
+    form, a_log, bias, lower_bound = gate if gate is not None else (GateForm(), None, None, None)
+    if CHECK_GATES and form.g == "log":
         torch._assert_async((g <= 0).all(), "g must be <= 0 (a log decay)")
     g32 = g if g.dtype == torch.float32 else g.float()
+    stand_in, _, _ = plain_gate(device)
+    gate_args = (a_log if a_log is not None else stand_in, bias if bias is not None else stand_in,
+                 lower_bound if lower_bound is not None else 0.0)
     if graph_varlen:
-        key = ("device_table", kda, H, q.dtype, beta.dtype, init, final is not None, device, group)
+        key = ("device_table", kda, H, q.dtype, beta.dtype, init, final is not None, device, group, form)
         runner = _runs.get(key)
         if runner is None:
-            runner = _runs[key] = DeviceTableRun(kda, H, q.dtype, beta.dtype, init, final is not None, device, group)
+            runner = _runs[key] = DeviceTableRun(kda, H, q.dtype, beta.dtype, init, final is not None, device, group,
+                                                 form)
         last.record(lambda: "use_graph varlen: the fused kernel, one CTA per (sequence, head), its tile table built "
                             "on the device from cu_seqlens (no host read)")
-        runner.run(q, k, v, g32, beta, scale, initial_state, o, final, cu_seqlens)
+        runner.run(q, k, v, g32, beta, scale, initial_state, o, final, gate_args, cu_seqlens)
         return o, final if output_final_state else None
     plan = plan_forward(kda, B, T, H, cu, init, sm_count(device), device_kind(device), scheduler, options)
     capturing = is_capturing(device)
@@ -269,8 +298,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         path = "two_phase"
     _last = (plan, path, capturing)
     last.record(explain_last)
-    key = (q.dtype, beta.dtype, init, final is not None, device, group)
-    run(plan, path, key).run(q, k, v, g32, beta, scale, initial_state, o, final)
+    key = (q.dtype, beta.dtype, init, final is not None, device, group, form)
+    run(plan, path, key).run(q, k, v, g32, beta, scale, initial_state, o, final, gate_args)
     if not capturing and plan.graph_path != path:
         # a capture of this call would take another path: build its runner now (a capture cannot copy tables)
         run(plan, plan.graph_path, key)
@@ -288,8 +317,8 @@ class TwoPhaseRun:
     def __init__(self, prep: PrepRun, state: StateRun):
         self.prep, self.state = prep, state
 
-    def run(self, q, k, v, g32, beta, scale, initial_state, o, final):
-        terms = self.prep.run(q, k, v, g32, beta, scale, reuse=True)
+    def run(self, q, k, v, g32, beta, scale, initial_state, o, final, gate):
+        terms = self.prep.run(q, k, v, g32, beta, scale, gate, reuse=True)
         self.state.run(terms, initial_state, o, final)
 
 
@@ -302,16 +331,16 @@ def run(plan: ForwardPlan, path: str, key: tuple):
     hit = _runs.get(full)
     if hit is not None:
         return hit
-    io, beta_dtype, init, final, device, group = key
+    io, beta_dtype, init, final, device, group, gate = key
     B, T, H = plan.shape
     if path == "fused":
         hit = FusedRun(plan.kda, H, plan.fused_schedule, plan.fused_summary, plan.merge_impl, io, beta_dtype, init,
-                       final, device, group)
+                       final, device, group, gate)
     elif path == "overlap":
-        hit = OverlapRun(B, T, H, plan.kda, io, beta_dtype, init, final, device, sm_count(device), group)
+        hit = OverlapRun(B, T, H, plan.kda, io, beta_dtype, init, final, device, sm_count(device), group, gate)
     else:
-        prep = PrepRun(prep_config(plan.kda, plan.prep_ctas_per_sm, group), B, T, H, plan.cu, io, beta_dtype, device,
-                       plan.prep_tile_counts)
+        prep = PrepRun(prep_config(plan.kda, plan.prep_ctas_per_sm, group, gate), B, T, H, plan.cu, io, beta_dtype,
+                       device, plan.prep_tile_counts)
         hit = TwoPhaseRun(prep, StateRun(plan.kda, not plan.kda, B, T, H, plan.cu, io, init, final, plan.segments,
                                          plan.merge_impl, device, group=group if not plan.kda else 1))
     if len(_runs) > 256:

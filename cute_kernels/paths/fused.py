@@ -11,38 +11,40 @@ from schedulers.host import sequence_table_on_device
 
 from ..checks import offsets_tensor
 from ..kernels.build import build_fused
-from ..kernels.configs import FusedConfig
+from ..kernels.configs import FusedConfig, GateForm
 from .merge import MergeStarts
 
 
 class FusedRun:
     """The fused path of one configuration, built once: compiled kernels, tile tables on the device and, if
     segmented, the merge. `run` launches, unchecked (the op has validated its inputs). `num_heads`: value heads
-    (the work tiles'); `group`: value heads per q / k head (GVA)."""
+    (the work tiles'); `group`: value heads per q / k head (GVA); `gate`: the builds' `GateForm` (`run` takes the
+    launch's (a_log, dt_bias, lower_bound))."""
 
     poison = False   # tests: the summary buffer starts as NaN (an unwritten slot that is read shows)
 
     def __init__(self, kda: bool, num_heads: int, schedule: Schedule, summary: Schedule | None, merge_impl: str, io,
-                 beta_dtype, init: bool, final: bool, device, group: int = 1):
+                 beta_dtype, init: bool, final: bool, device, group: int = 1, gate: GateForm = GateForm()):
         self.schedule, self.summary, self.init, self.device = schedule, summary, init, device
         self.num_heads = num_heads
         self.table = schedule.table_on(device)
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
         if summary is None:
-            self.fn = build_fused(FusedConfig(kda, "forward", init, final, schedule.persistent, group), io,
+            self.fn = build_fused(FusedConfig(kda, "forward", init, final, schedule.persistent, group, gate), io,
                                   beta_dtype).fn
             return
         self.slots = schedule.segmentation.total_segments
-        self.summary_fn = (build_fused(FusedConfig(kda, "summary", group=group), io, beta_dtype).fn
+        self.summary_fn = (build_fused(FusedConfig(kda, "summary", group=group, gate=gate), io, beta_dtype).fn
                            if summary.num_tiles else None)
         self.summary_table = summary.table_on(device)
-        self.fn = build_fused(FusedConfig(kda, "segment_outputs", True, final, group=group), io, beta_dtype).fn
+        self.fn = build_fused(FusedConfig(kda, "segment_outputs", True, final, group=group, gate=gate), io,
+                              beta_dtype).fn
         n = len(schedule.seg_offsets) - 1
         offsets, _ = offsets_tensor("seg_offsets", schedule.seg_offsets, self.slots, device)
         self.merge = MergeStarts(merge_impl, n, num_heads, self.slots, offsets, init, device, pdl=False)
 
-    def run(self, q, k, v, g32, beta, scale: float, initial_state, o, final):
-        args = (q, k, v, g32, beta, o)   # 4-D / 3-D as given: the kernel flattens B and T itself
+    def run(self, q, k, v, g32, beta, scale: float, initial_state, o, final, gate):
+        args = (q, k, v, g32, beta, *gate, o)   # 4-D / 3-D as given: the kernel flattens B and T itself
         dummy = final if final is not None else self.dummy
         s = self.schedule
         if self.summary is None:
@@ -63,13 +65,15 @@ class DeviceTableRun:
     sequences) is built on the device from `cu_seqlens` at every call, so nothing of a call is read on the host and
     a captured call replays with new lengths. No segments: each (sequence, head) is one CTA's walk."""
 
-    def __init__(self, kda: bool, num_heads: int, io, beta_dtype, init: bool, final: bool, device, group: int = 1):
+    def __init__(self, kda: bool, num_heads: int, io, beta_dtype, init: bool, final: bool, device, group: int = 1,
+                 gate: GateForm = GateForm()):
         self.num_heads, self.init = num_heads, init
-        self.fn = build_fused(FusedConfig(kda, "forward", init, final, False, group), io, beta_dtype).fn
+        self.fn = build_fused(FusedConfig(kda, "forward", init, final, False, group, gate), io, beta_dtype).fn
         self.dummy = None if final else torch.empty((1, 1, 128, 128), dtype=torch.float32, device=device)
 
-    def run(self, q, k, v, g32, beta, scale: float, initial_state, o, final, cu_seqlens):
+    def run(self, q, k, v, g32, beta, scale: float, initial_state, o, final, gate, cu_seqlens):
         table = sequence_table_on_device(cu_seqlens, self.num_heads)
         tiles = table.shape[0]
         dummy = final if final is not None else self.dummy
-        self.fn(q, k, v, g32, beta, o, initial_state if self.init else dummy, dummy, table, tiles, tiles, scale)
+        self.fn(q, k, v, g32, beta, *gate, o, initial_state if self.init else dummy, dummy, table, tiles, tiles,
+                scale)

@@ -14,8 +14,9 @@ from schedulers import Problem, Schedule, Segmentation, schedule_from_segmentati
 
 from ..checks import check_cuda, check_shape, check_tensor, offsets_tensor
 from ..kernels.build import build_prep, build_state_pass
-from ..kernels.configs import PrepConfig, StateConfig
+from ..kernels.configs import GateForm, PrepConfig, StateConfig
 from ..plan.cost import overlap_fits, overlap_prep_ctas
+from . import plain_gate
 from .merge import MergeStarts
 
 C = 64
@@ -148,9 +149,9 @@ def problem_of(B, T, H, cu, num_blocks: int = 1) -> Problem:
     return Problem.varlen(list(cu), H, num_blocks=num_blocks)
 
 
-def prep_config(kda: bool, ctas_per_sm: int, group: int = 1) -> PrepConfig:
+def prep_config(kda: bool, ctas_per_sm: int, group: int = 1, gate: GateForm = GateForm()) -> PrepConfig:
     """The plain path's phase 1: KDA's folded build, GDN's folded build at 2 or 3 CTAs per SM."""
-    return PrepConfig(kda=kda, terms="folded", ctas_per_sm=1 if kda else ctas_per_sm, group=group)
+    return PrepConfig(kda=kda, terms="folded", ctas_per_sm=1 if kda else ctas_per_sm, group=group, gate=gate)
 
 
 def allocate_terms(B, T, H, kda: bool, dtype, device, folded: bool = True, q=None, k=None, v=None) -> ChunkTerms:
@@ -226,13 +227,13 @@ class PrepRun:
             return ChunkTerms(hit.query, hit.key, v, hit.update_key, hit.intra, hit.decay, True, True)
         return ChunkTerms(q, k, v, hit.update_key, hit.intra, hit.decay, False, True, True)
 
-    def run(self, q, k, v, g32, beta, scale: float, reuse: bool = False) -> ChunkTerms:
+    def run(self, q, k, v, g32, beta, scale: float, gate, reuse: bool = False) -> ChunkTerms:
         t = self.terms(q.dtype, q, k, v) if reuse else self.allocate(q.dtype, q, k, v)
         if self.poison:
             for x in ((t.intra, t.decay, t.update_key) + ((t.query, t.key) if self.config.kda else ())):
                 x.fill_(float("nan"))
         if self.fn is not None:
-            self.fn(q, k, v, g32, beta, *t.tensors, *self.launch, scale, *self.no_flags)
+            self.fn(q, k, v, g32, beta, *gate, *t.tensors, *self.launch, scale, *self.no_flags)
         return t
 
 
@@ -301,7 +302,8 @@ class OverlapRun:
 
     poison = False   # tests: phase 1's outputs start as NaN
 
-    def __init__(self, B, T, H, kda, io, beta_dtype, init, final, device, sms, group: int = 1):
+    def __init__(self, B, T, H, kda, io, beta_dtype, init, final, device, sms, group: int = 1,
+                 gate: GateForm = GateForm()):
         if not overlap_fits(B, H, sms):
             raise ValueError(f"overlapped path: {2 * B * H} state CTAs need at most half of the {sms} SMs")
         self.shape, self.kda, self.device = (B, T, H), kda, device
@@ -315,7 +317,7 @@ class OverlapRun:
         ctas = max(1, min(len(tiles), overlap_prep_ctas(sms, state.num_tiles)))
         prep = Schedule(tiles, (ctas, 1, 1), True, prep_seg, "prep-overlap")
         self.prep_config = PrepConfig(kda=kda, terms="folded" if kda else "solved", ctas_per_sm=1, publish=True,
-                                      group=group)
+                                      group=group, gate=gate)
         self.prep_fn = build_prep(self.prep_config, io, beta_dtype).fn
         self.state_fn = build_state_pass(StateConfig(kda, "forward", init, final, consume=True), io).fn
         self.prep_launch = (prep.table_on(device), prep.num_tiles, ctas)
@@ -337,7 +339,7 @@ class OverlapRun:
             hit = self.flags_by_stream[stream] = torch.zeros(self.flag_count, dtype=torch.int32, device=self.device)
         return hit
 
-    def run(self, q, k, v, g32, beta, scale: float, initial_state, o, final):
+    def run(self, q, k, v, g32, beta, scale: float, initial_state, o, final, gate):
         """The call: fresh terms (the caching allocator keeps them alive past the side stream's use: the caller's
         stream waits for it before anything can reuse them), phase 1 on the side stream, the state pass here."""
         dummy = final if final is not None else self.dummy
@@ -350,7 +352,8 @@ class OverlapRun:
         side = side_stream(self.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            self.prep_fn(q, k, v, g32, beta, *t.tensors, *self.prep_launch, scale, flags, self.chunks_per_seq, 2)
+            self.prep_fn(q, k, v, g32, beta, *gate, *t.tensors, *self.prep_launch, scale, flags, self.chunks_per_seq,
+                         2)
         self.state_fn(*t.tensors, o, initial_state if self.init else dummy, dummy, *self.state_launch, flags,
                       self.chunks_per_seq)
         main.wait_stream(side)
@@ -405,7 +408,7 @@ def chunk_prep(q, k, v, g, beta, scale=None, *, kda: bool, chunks_per_tile: int 
     counts = prep_tile_counts(problem, kda, sms, chunks_per_tile)
     per_sm = prep_ctas_per_sm(kda, sum(counts) * H, sms)
     run = PrepRun(prep_config(kda, per_sm), B, T, H, cu, q.dtype, beta.dtype, device, counts)
-    return run.run(q, k, v, g.float(), beta, K ** -0.5 if scale is None else float(scale))
+    return run.run(q, k, v, g.float(), beta, K ** -0.5 if scale is None else float(scale), plain_gate(device))
 
 
 def state_pass(terms: ChunkTerms, initial_state=None, output_final_state: bool = False, *, num_segments=1,

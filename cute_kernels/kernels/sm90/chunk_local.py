@@ -20,6 +20,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_kernels.reference.kda_intra import ANCHOR_LIMIT_LOG2
 
+from ..configs import GateForm
 from . import wgmma_tiles as wt
 
 C = 64        # chunk length (tokens)
@@ -39,11 +40,12 @@ class ChunkLocalSm90:
     formed: the fused summary mode needs none), `solve_mma` (solve levels on tf32 tensor cores, else CUDA cores).
     Methods run on the 256 consumer threads (`ctid`) or one consumer warpgroup (`wtid`, consumer `j`)."""
 
-    def __init__(self, io_dtype, kda: bool, outputs: bool = True, solve_mma: bool = False):
+    def __init__(self, io_dtype, kda: bool, outputs: bool = True, solve_mma: bool = False, gate: GateForm = GateForm()):
         self.io_dtype = io_dtype
         self.kda = kda
         self.outputs = outputs
         self.solve_mma = solve_mma
+        self.gate = gate
 
     # compile-time state only: nothing to carry through the kernels' dynamic loops
     def __extract_mlir_values__(self):
@@ -133,21 +135,58 @@ class ChunkLocalSm90:
         return n
 
     @cute.jit
-    def gate_rows(self, ctid, t, tok_end, head, mG, mBeta):
-        """The raw gate rows of token t + ctid for the 64 threads that hold one (0 past the sequence end):
-        (g, g of the row 32 away (ctid ^ 32: the other warp's, for `gdn_gates`' scan), beta); KDA's g values are 0
-        here (they go through `kda_g_prefetch`)."""
+    def gate_params(self, mALog, mDtBias, head, ctid):
+        """This tile's gate parameters (`GateForm`): (A = exp(A_log[head]) or 1, dt_bias at (head) or, KDA, at
+        (head, key ctid % 128), or 0)."""
+        a = Float32(1.0)
+        bias = Float32(0.0)
+        if cutlass.const_expr(self.gate.a_log):
+            a = cute.math.exp(Float32(mALog[head]), fastmath=False)
+        if cutlass.const_expr(self.gate.dt_bias):
+            if cutlass.const_expr(self.kda):
+                bias = Float32(mDtBias[head * 128 + ctid % 128])
+            else:
+                bias = Float32(mDtBias[head])
+        return a, bias
+
+    @cute.jit
+    def gate_value(self, x, gp, lower_bound):
+        """The log decay of a raw g value `x` (`GateForm.g`; gp = `gate_params`)."""
+        if cutlass.const_expr(self.gate.g != "log"):
+            a, bias = gp
+            x = x + bias
+            if cutlass.const_expr(self.gate.g == "bounded"):
+                x = lower_bound / (Float32(1.0) + cute.math.exp(-(a * x), fastmath=False))
+            else:
+                sp = cute.math.log(Float32(1.0) + cute.math.exp(x, fastmath=False), fastmath=False)
+                x = -a * cutlass.select_(x > Float32(20.0), x, sp)   # softplus, x itself above 20 (FLA's)
+        return x
+
+    @cute.jit
+    def beta_value(self, x):
+        """beta from its raw value (`GateForm.beta`)."""
+        if cutlass.const_expr(self.gate.beta != "value"):
+            x = Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=False))
+            if cutlass.const_expr(self.gate.beta == "sigmoid2"):
+                x = x * Float32(2.0)
+        return x
+
+    @cute.jit
+    def gate_rows(self, ctid, t, tok_end, head, mG, mBeta, gp, lower_bound):
+        """The gate rows of token t + ctid for the 64 threads that hold one (0 past the sequence end): (g, g of
+        the row 32 away (ctid ^ 32: the other warp's, for `gdn_gates`' scan), beta), FLA's gate arguments applied
+        (`gate_value`, `beta_value`); KDA's g values are 0 here (they go through `kda_g_prefetch`)."""
         gv = Float32(0.0)
         gw = Float32(0.0)
         bv = Float32(0.0)
         if ctid < C:
             if t + ctid < tok_end:
                 if cutlass.const_expr(not self.kda):
-                    gv = Float32(mG[t + ctid, head])
-                bv = Float32(mBeta[t + ctid, head])
+                    gv = self.gate_value(Float32(mG[t + ctid, head]), gp, lower_bound)
+                bv = self.beta_value(Float32(mBeta[t + ctid, head]))
             if cutlass.const_expr(not self.kda):
                 if t + (ctid ^ 32) < tok_end:
-                    gw = Float32(mG[t + (ctid ^ 32), head])
+                    gw = self.gate_value(Float32(mG[t + (ctid ^ 32), head]), gp, lower_bound)
         return gv, gw, bv
 
     @cute.jit
@@ -217,11 +256,13 @@ class ChunkLocalSm90:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def kda_gates(self, ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, beta_pre, sC=None, g_vec: bool = False):
+    def kda_gates(self, ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, beta_pre, gp, lower_bound, sC=None,
+                  g_vec: bool = False):
         """G[r, d] (log2 units), G[L-1, d], beta_r; sFlag[0] = 1 if some 16-row block decays by more than
         KDA_ANCHOR_LIMIT in some channel (then the exact diagonal path runs). With `sC` ([10, 128] fp32, phase 1's
         row-anchored products): rows 0-5 the factors 2^(G[16 p, d] - G[16 q, d]) of block pairs (p, q) = (1, 0),
-        (2, 1), (3, 2), (2, 0), (3, 1), (3, 0); rows 6-9 2^G[16 m, d], m = 0..3. Needs g and beta prefetched
+        (2, 1), (3, 2), (2, 0), (3, 1), (3, 0); rows 6-9 2^G[16 m, d], m = 0..3. g's raw values pass through
+        `gate_value` (gp: `gate_params`, this thread's channel ctid % 128). Needs g and beta prefetched
         (`kda_g_prefetch`, or `kda_g_prefetch_vec` with `g_vec`: then a consumer barrier follows the wait).
         All 256 consumer threads: thread ctid scans channel ctid % 128 over rows [32 h, 32 h + 32), h = ctid // 128."""
         d = ctid % 128
@@ -235,7 +276,10 @@ class ChunkLocalSm90:
         if cutlass.const_expr(g_vec):
             cute.arch.barrier(barrier_id=1, number_of_threads=256)   # and every other thread's
         for rr in cutlass.range_constexpr(32):
-            gl[rr] = sGk[32 * h + rr, d] * LOG2E
+            x = sGk[32 * h + rr, d]
+            if cutlass.const_expr(self.gate.g != "log"):   # FLA's gate arguments; rows past the end stay 0
+                x = cutlass.select_(32 * h + rr < L, self.gate_value(x, gp, lower_bound), Float32(0.0))
+            gl[rr] = x * LOG2E
         for rr in cutlass.range_constexpr(1, 32):
             gl[rr] = gl[rr] + gl[rr - 1]
         # the largest right factor of a block is 2^(G[first row] - G[last row]); offsets cancel

@@ -60,7 +60,8 @@ class ChunkPrepSm90:
         self.tma_store = config.tma_store
         self.publish = config.publish
         self.pdl = config.pdl
-        self.local = ChunkLocalSm90(io_dtype, config.kda, outputs=True, solve_mma=config.kda or self.compact)
+        self.local = ChunkLocalSm90(io_dtype, config.kda, outputs=True, solve_mma=config.kda or self.compact,
+                                    gate=config.gate)
         self.load_v = not self.folded
         self.tma_bytes = (2 if self.folded else 3) * C * 128 * io_dtype.width // 8
         # GDN's solved build: a 2-stage q/k/v ring; the others one stage (no shared memory left for a second)
@@ -75,6 +76,9 @@ class ChunkPrepSm90:
         v: cute.Tensor,      # [B, T, H, V]
         g: cute.Tensor,      # [B, T, H] fp32 (KDA: [B, T, H, 128])
         beta: cute.Tensor,   # [B, T, H]
+        a_log: cute.Tensor,  # [H] fp32 (config.gate.a_log; else any fp32 tensor)
+        dt_bias: cute.Tensor,  # [H] fp32, KDA [H * 128] (config.gate.dt_bias; else any fp32 tensor)
+        lower_bound: Float32,  # the bounded gate's (else unused)
         qg: cute.Tensor,     # outputs (the `ChunkTerms` slots): query [B, T, H, 128]
         w: cute.Tensor,      # key
         u: cute.Tensor,      # value [B, T, H, V]
@@ -109,7 +113,8 @@ class ChunkPrepSm90:
             self.set_solved_shared_storage()
         self.prep_kernel(
             tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-            g, beta, qg, w, u, kg, aqk, eg, tiles, num_tiles, scale, flags, chunks_per_seq, consumers, *outs,
+            g, beta, a_log, dt_bias, lower_bound, qg, w, u, kg, aqk, eg, tiles, num_tiles, scale, flags,
+            chunks_per_seq, consumers, *outs,
         ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
                   min_blocks_per_mp=self.ctas_per_sm, use_pdl=False,
                   # a fixed carveout (all of the SM for shared memory): no device query when compiling
@@ -232,8 +237,9 @@ class ChunkPrepSm90:
     @cute.kernel
     def prep_kernel(
         self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom,
-        mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
-        mQg: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor, mA: cute.Tensor, mEg: cute.Tensor,
+        mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+        lower_bound: Float32, mQg: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor, mA: cute.Tensor,
+        mEg: cute.Tensor,
         mTiles: cute.Tensor, num_tiles: Int32, scale: Float32, mFlags: cute.Tensor, chunks_per_seq: Int32,
         consumers: Int32, tma_qg: cute.CopyAtom, mQgT: cute.Tensor, tma_kg: cute.CopyAtom, mKgT: cute.Tensor,
         tma_w: cute.CopyAtom, mWT: cute.Tensor, tma_u: cute.CopyAtom, mUT: cute.Tensor, tma_a: cute.CopyAtom,
@@ -270,8 +276,8 @@ class ChunkPrepSm90:
                                     view(st.sK, C, 128, ns), view(st.sV, C, 128, ns), ns, self.load_v,
                                     self.config.group)
             else:
-                self.prep_consumer(sched, load, wg, tidx, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st,
-                                   mFlags, chunks_per_seq, consumers, None)
+                self.prep_consumer(sched, load, wg, tidx, mG, mBeta, (mALog, mDtBias, lower_bound), mQg, mW, mU,
+                                   mKg, mA, mEg, scale, st, mFlags, chunks_per_seq, consumers, None)
         else:
             if wg == 0:
                 cute.arch.setmaxregister_decrease(40)
@@ -281,13 +287,13 @@ class ChunkPrepSm90:
                                         self.config.group)
             else:
                 cute.arch.setmaxregister_increase(232)
-                self.prep_consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale,
-                                   st, mFlags, chunks_per_seq, consumers,
+                self.prep_consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, (mALog, mDtBias, lower_bound), mQg,
+                                   mW, mU, mKg, mA, mEg, scale, st, mFlags, chunks_per_seq, consumers,
                                    ((tma_qg, mQgT), (tma_kg, mKgT), (tma_w, mWT), (tma_u, mUT), (tma_a, mAT)))
 
     @cute.jit
-    def prep_consumer(self, sched, load, j, ctid, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st, mFlags,
-                      chunks_per_seq, consumers, tma_outs):
+    def prep_consumer(self, sched, load, j, ctid, mG, mBeta, gate_args, mQg, mW, mU, mKg, mA, mEg, scale, st,
+                      mFlags, chunks_per_seq, consumers, tma_outs):
         kda = self.kda
         local = self.local
         wtid = ctid % 128
@@ -348,7 +354,9 @@ class ChunkPrepSm90:
             head = work.head
             tok0 = work.tok_start
             tok_end = work.tok_end
-            gv, gw, bv = local.gate_rows(ctid, tok0, tok_end, head, mG, mBeta)
+            mALog, mDtBias, lower_bound = gate_args
+            gp = local.gate_params(mALog, mDtBias, head, ctid)   # FLA's gate arguments, applied as read
+            gv, gw, bv = local.gate_rows(ctid, tok0, tok_end, head, mG, mBeta, gp, lower_bound)
             if cutlass.const_expr(kda):
                 local.kda_g_prefetch_vec(ctid, tok0, local.rows_in(tok_end - tok0), head, mG, sGk)
 
@@ -357,11 +365,12 @@ class ChunkPrepSm90:
                 L = local.rows_in(tok_end - t0)
                 # -- 0. gates (as the fused kernel: loaded one chunk ahead)
                 if cutlass.const_expr(kda):
-                    local.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv, sC=sC, g_vec=True)
-                    _, _, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
+                    local.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv, gp, lower_bound, sC=sC,
+                                    g_vec=True)
+                    _, _, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
                 else:
                     local.gdn_gates(ctid, L, gv, gw, bv, sG, sEG, sEGL, sBeta)
-                    gv, gw, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
+                    gv, gw, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
                 if cutlass.const_expr(self.tma_store):
                     if ctid == 0:
                         # the last chunk's TMA stores have read their staging tiles (the barrier below tells all)

@@ -52,7 +52,8 @@ class ChunkedForwardSm90:
         self.has_initial_state = config.initial_state
         self.store_final_state = config.final_state
         self.persistent = config.persistent
-        self.local = ChunkLocalSm90(io_dtype, config.kda, outputs=config.mode != "summary", solve_mma=False)
+        self.local = ChunkLocalSm90(io_dtype, config.kda, outputs=config.mode != "summary", solve_mma=False,
+                                    gate=config.gate)
         # KDA keeps G [64 x 128] fp32 in smem: only one q/k/v stage then fits.
         self.num_stages = 1 if config.kda else NUM_STAGES
         self.num_threads = 384
@@ -68,6 +69,9 @@ class ChunkedForwardSm90:
         v: cute.Tensor,            # [B, T, H, V]
         g: cute.Tensor,            # [B, T, H] fp32 (KDA: [B, T, H, K]), per-step log decay
         beta: cute.Tensor,         # [B, T, H]
+        a_log: cute.Tensor,        # [H] fp32 (config.gate.a_log; else any fp32 tensor)
+        dt_bias: cute.Tensor,      # [H] fp32, KDA [H * 128] (config.gate.dt_bias; else any fp32 tensor)
+        lower_bound: Float32,      # the bounded gate's (else unused)
         o: cute.Tensor,            # [B, T, H, V]
         initial_state: cute.Tensor,  # [N, H, K, V] fp32 (if initial_state); segment_outputs: [slots, H, K, V]
         final_state: cute.Tensor,    # [N, H, K, V] fp32 (if final_state); summary: [2 * slots, H, K, V]
@@ -80,7 +84,7 @@ class ChunkedForwardSm90:
         self.set_shared_storage()
         self.kernel(
             tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-            g, beta, o, initial_state, final_state, tiles, num_tiles, scale,
+            g, beta, a_log, dt_bias, lower_bound, o, initial_state, final_state, tiles, num_tiles, scale,
         ).launch(
             grid=[grid_x, 1, 1],
             block=[self.num_threads, 1, 1],
@@ -126,8 +130,9 @@ class ChunkedForwardSm90:
     @cute.kernel
     def kernel(
         self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom,
-        mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mO: cute.Tensor, mS0: cute.Tensor, mSN: cute.Tensor,
-        mTiles: cute.Tensor, num_tiles: Int32, scale: Float32,
+        mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+        lower_bound: Float32, mO: cute.Tensor, mS0: cute.Tensor, mSN: cute.Tensor, mTiles: cute.Tensor,
+        num_tiles: Int32, scale: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -159,10 +164,11 @@ class ChunkedForwardSm90:
                                     qk_group=self.config.group)
         else:
             cute.arch.setmaxregister_increase(232)
-            self.consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, mO, mS0, mSN, scale, st)
+            self.consumer(sched, load, wg - 1, tidx - 128, mG, mBeta, (mALog, mDtBias, lower_bound), mO, mS0, mSN,
+                          scale, st)
 
     @cute.jit
-    def consumer(self, sched, load, j, ctid, mG, mBeta, mO, mS0, mSN, scale, st):
+    def consumer(self, sched, load, j, ctid, mG, mBeta, gate_args, mO, mS0, mSN, scale, st):
         kda = self.kda
         local = self.local
         outputs = self.mode != "summary"
@@ -242,8 +248,10 @@ class ChunkedForwardSm90:
             cute.arch.barrier(barrier_id=2 + j, number_of_threads=128)
 
             # The gates are loaded one chunk ahead: GDN's g and beta rows into registers, KDA's beta (its g by
-            # cp.async into sGk).
-            gv, gw, bv = local.gate_rows(ctid, tok0, tok_end, head, mG, mBeta)
+            # cp.async into sGk). FLA's gate arguments apply as they are read (gp: this tile's parameters).
+            mALog, mDtBias, lower_bound = gate_args
+            gp = local.gate_params(mALog, mDtBias, head, ctid)
+            gv, gw, bv = local.gate_rows(ctid, tok0, tok_end, head, mG, mBeta, gp, lower_bound)
             if cutlass.const_expr(kda):
                 local.kda_g_prefetch(ctid, tok0, local.rows_in(tok_end - tok0), head, mG, sGk)
 
@@ -252,11 +260,11 @@ class ChunkedForwardSm90:
                 L = local.rows_in(tok_end - t0)
                 # -- 0. gates of this chunk (fp32, log2 units), before waiting on the tile
                 if cutlass.const_expr(kda):
-                    local.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv)
-                    _, _, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
+                    local.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv, gp, lower_bound)
+                    _, _, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
                 else:
                     local.gdn_gates(ctid, L, gv, gw, bv, sG, sEG, sEGL, sBeta)
-                    gv, gw, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
+                    gv, gw, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
 
                 load.consumer_wait(state)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)

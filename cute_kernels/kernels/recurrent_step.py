@@ -123,17 +123,27 @@ class RecurrentStep:
         if cutlass.const_expr(cfg.a_log):
             a_head = cute.math.exp(a_log[hv], fastmath=False)
 
+        # This token's inputs were loaded during the previous token (the next token's loads are issued before this
+        # token's barriers and sums), so a sequence of Sq tokens waits on global memory once, not Sq times.
+        last = bos + length - 1
+        first = bos
+        if length == 0:
+            first = 0   # an empty sequence (varlen) loads nothing it uses; keep the address in bounds
+        nq, nk, nv, nb, ng = self.load_token(q, k, v, g, beta, first, h, hv, tid, col)
         for t in cutlass.range(length, unroll=1):
             buf = t % 2
             tok = bos + t
+            qx, kx, vraw, braw, graw = nq, nk, nv, nb, ng
+            nxt = tok + 1
+            if nxt > last:
+                nxt = last
+            nq, nk, nv, nb, ng = self.load_token(q, k, v, g, beta, nxt, h, hv, tid, col)
             # Stage q, k (and the per-key decay) of this token; warp sums for the norms and q.k.
-            qx = q[tok, h, tid].to(Float32)
-            kx = k[tok, h, tid].to(Float32)
             s_q[buf, tid] = qx
             s_k[buf, tid] = kx
             if cutlass.const_expr(cfg.kda):
-                s_a[buf, tid] = cute.math.exp(self.gate(g[tok, hv, tid].to(Float32), dt_bias, hv * K + tid, a_head,
-                                                        lower_bound), fastmath=False)
+                s_a[buf, tid] = cute.math.exp(self.gate(graw, dt_bias, hv * K + tid, a_head, lower_bound),
+                                              fastmath=False)
             sqq = warp_sum(qx * qx)
             skk = warp_sum(kx * kx)
             sqk = warp_sum(qx * kx)
@@ -141,16 +151,15 @@ class RecurrentStep:
                 s_stat[buf, warp, 0] = sqq
                 s_stat[buf, warp, 1] = skk
                 s_stat[buf, warp, 2] = sqk
-            vx = v[tok, hv, col].to(Float32)
-            bx = beta[tok, hv].to(Float32)
+            vx = vraw
+            bx = braw
             if cutlass.const_expr(cfg.beta_sigmoid):
                 bx = sigmoid(bx)
                 if cutlass.const_expr(cfg.neg_eigval):
                     bx = bx * Float32(2.0)
             decay = Float32(1.0)
             if cutlass.const_expr(not cfg.kda):
-                decay = cute.math.exp(self.gate(g[tok, hv].to(Float32), dt_bias, hv, a_head, lower_bound),
-                                      fastmath=False)
+                decay = cute.math.exp(self.gate(graw, dt_bias, hv, a_head, lower_bound), fastmath=False)
             cute.arch.sync_threads()
 
             nqq = Float32(0.0)
@@ -202,6 +211,18 @@ class RecurrentStep:
             if slot >= 0:
                 for r in cutlass.range_constexpr(ROWS):
                     ht[slot, hv, row0 + r, col] = state[r]
+
+    @cute.jit
+    def load_token(self, q, k, v, g, beta, tok, h, hv, tid, col):
+        """Token `tok`'s inputs for this thread, as fp32: q and k at key `tid`, v at column `col`, beta, and g (KDA:
+        at key `tid`)."""
+        gx = Float32(0.0)
+        if cutlass.const_expr(self.config.kda):
+            gx = g[tok, hv, tid].to(Float32)
+        else:
+            gx = g[tok, hv].to(Float32)
+        return (q[tok, h, tid].to(Float32), k[tok, h, tid].to(Float32), v[tok, hv, col].to(Float32),
+                beta[tok, hv].to(Float32), gx)
 
     @cute.jit
     def gate(self, x, dt_bias: cute.Tensor, bias_index, a_head, lower_bound):

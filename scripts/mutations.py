@@ -264,8 +264,8 @@ GPU_MUTANTS = [
     Mutant("final state written to the initial slot", "recurrent step", STEP, "slot = final_idx[n]",
            "slot = init_idx[n]", ("tests/test_recurrent.py@kernel_pool",), True),
     Mutant("speculative start ignores num_accepted_tokens", "recurrent step", STEP,
-           "slot = init_idx[n, accepted[n] - 1]", "slot = init_idx[n, 0]", ("tests/test_recurrent.py@kernel_speculative",),
-           True),
+           "slot = init_idx[n, accepted[n] - 1]", "slot = init_idx[n, 0]",
+           ("tests/test_recurrent.py@kernel_speculative",), True),
 ]
 
 

@@ -32,7 +32,8 @@ def _dummies(device) -> tuple:
         f32, i32 = torch.float32, torch.int32
         hit = _dummy_sets[device] = (torch.zeros(1, dtype=f32, device=device),
                                      torch.zeros((1, 1, HEAD_DIM, HEAD_DIM), dtype=f32, device=device),
-                                     torch.zeros(1, dtype=i32, device=device), torch.zeros((1, 1), dtype=i32, device=device))
+                                     torch.zeros(1, dtype=i32, device=device),
+                                     torch.zeros((1, 1), dtype=i32, device=device))
     return hit
 
 

@@ -268,10 +268,11 @@ GPU_MUTANTS = [
            ("tests/test_gdn_sm90.py@gate_arguments_against_fla and gate-",), True),
     Mutant("GVA heads tiled instead of grouped", "recurrent step", STEP, "h = hv // cfg.group", "h = hv % cfg.group",
            ("tests/test_recurrent.py@kernel_matches_spec and weak",), True),
-    Mutant("final state written to the initial slot", "recurrent step", STEP, "slot = final_idx[n, 0]",
-           "slot = init_idx[n, 0]", ("tests/test_recurrent.py@kernel_pool",), True),
-    Mutant("speculative start ignores num_accepted_tokens", "recurrent step", STEP, "j = accepted[n] - 1",
-           "j = Int32(0)", ("tests/test_recurrent.py@kernel_speculative",), True),
+    Mutant("final state written to the initial slot", "recurrent step", STEP, "slot = final_idx[n]",
+           "slot = init_idx[n]", ("tests/test_recurrent.py@kernel_pool",), True),
+    Mutant("speculative start ignores num_accepted_tokens", "recurrent step", STEP,
+           "slot = init_idx[n, accepted[n] - 1]", "slot = init_idx[n, 0]",
+           ("tests/test_recurrent.py@kernel_speculative",), True),
 ]
 
 

@@ -240,7 +240,8 @@ def build_decode_fixup(group: int, out_dtype: torch.dtype, head_dim: int = 128, 
 def build_recurrent_step(config: RecurrentConfig, io_dtype: torch.dtype, g_dtype: torch.dtype,
                          beta_dtype: torch.dtype, dump_dir=None) -> Compiled:
     """The recurrent step (every arch). Its function takes (q, k, v, g, beta, a_log, dt_bias, h0, ht, cu_seqlens,
-    init_idx, final_idx, accepted, o, T, N, scale, lower_bound): see `RecurrentStep`."""
+    init_idx, final_idx, accepted, o, T, N, scale, lower_bound), q / k / v / g / beta / o as the op has them ([B, T,
+    ...]): see `RecurrentStep`."""
 
     def build():
         cutlass = import_cutlass()
@@ -248,16 +249,18 @@ def build_recurrent_step(config: RecurrentConfig, io_dtype: torch.dtype, g_dtype
 
         io, f32, i32, K = cutlass_dtype(io_dtype), cutlass.Float32, cutlass.Int32, config.head_dim
         gd, bd = cutlass_dtype(g_dtype), cutlass_dtype(beta_dtype)
-        g_shape = (DYN, DYN, K) if config.kda else (DYN, DYN)
+        g_shape = (DYN, DYN, DYN, K) if config.kda else (DYN, DYN, DYN)
+        idx_shape = (DYN, DYN) if config.spec else (DYN,)
+        four = lambda: fake_tensor(io, (DYN, DYN, DYN, K))   # noqa: E731
         args = (
-            fake_tensor(io, (DYN, DYN, K)), fake_tensor(io, (DYN, DYN, K)), fake_tensor(io, (DYN, DYN, K)),  # q k v
-            fake_tensor(gd, g_shape, align=4), fake_tensor(bd, (DYN, DYN), align=2),                      # g, beta
+            four(), four(), four(),                                                                       # q k v
+            fake_tensor(gd, g_shape, align=4), fake_tensor(bd, (DYN, DYN, DYN), align=2),                 # g, beta
             fake_tensor(f32, (DYN,), align=4), fake_tensor(f32, (DYN,), align=4),                         # a_log, dt_bias
             fake_tensor(f32, (DYN, DYN, K, K)), fake_tensor(f32, (DYN, DYN, K, K)),                       # h0, ht
             fake_tensor(i32, (DYN,), align=4),                                                            # cu_seqlens
-            fake_tensor(i32, (DYN, DYN), align=4), fake_tensor(i32, (DYN, DYN), align=4),                 # indices
+            fake_tensor(i32, idx_shape, align=4), fake_tensor(i32, idx_shape, align=4),                   # indices
             fake_tensor(i32, (DYN,), align=4),                                                            # accepted
-            fake_tensor(io, (DYN, DYN, K)),                                                               # o
+            four(),                                                                                       # o
             i32(1), i32(1), f32(1.0), f32(1.0),
             fake_stream(),
         )

@@ -16,6 +16,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .configs import RecurrentConfig
+from .views import flat
 
 THREADS = 128   # 4 warps: warp w holds state rows [32 w, 32 w + 32)
 COLS = 32       # state columns per CTA: lane l holds column 32 vb + l
@@ -53,9 +54,10 @@ class RecurrentStep:
     in shared memory (barrier 2); every thread then has k^T S and q^T S of its column, updates its rows, and warp
     0 writes o. Shared buffers alternate by token parity, so two barriers per token suffice.
 
-    Tensors (tokens flattened: [B * T] or varlen [total]): q, k [TT, H, K]; v, o [TT, HV, V]; g [TT, HV] or
-    [TT, HV, K]; beta [TT, HV]; a_log [HV] fp32; dt_bias [HV] or [HV * K] fp32; h0, ht [rows, HV, K, V] fp32;
-    cu_seqlens [N + 1], init_idx, final_idx [N, S], accepted [N] int32 (each a 1-element dummy when unused).
+    Tensors as the op has them ([B, T, ...]; varlen B = 1; flattened here to [B * T, ...]): q, k [B, T, H, K];
+    v, o [B, T, HV, V]; g [B, T, HV] or [B, T, HV, K]; beta [B, T, HV]; a_log [HV] fp32; dt_bias [HV] or [HV * K]
+    fp32; h0, ht [rows, HV, K, V] fp32; cu_seqlens [N + 1], init_idx, final_idx [N] ([N, S] with `spec`),
+    accepted [N] int32 (each a 1-element dummy when unused).
     Scalars: T (tokens per sequence when not varlen), N, scale, lower_bound.
     """
 
@@ -70,8 +72,9 @@ class RecurrentStep:
                  a_log: cute.Tensor, dt_bias: cute.Tensor, h0: cute.Tensor, ht: cute.Tensor, cu_seqlens: cute.Tensor,
                  init_idx: cute.Tensor, final_idx: cute.Tensor, accepted: cute.Tensor, o: cute.Tensor, T: Int32,
                  N: Int32, scale: Float32, lower_bound: Float32, stream):
-        self.kernel(q, k, v, g, beta, a_log, dt_bias, h0, ht, cu_seqlens, init_idx, final_idx, accepted, o, T,
-                    scale, lower_bound).launch(grid=[self.config.head_dim // COLS, v.shape[1], N],
+        self.kernel(flat(q), flat(k), flat(v), flat(g), flat(beta), a_log, dt_bias, h0, ht, cu_seqlens, init_idx,
+                    final_idx, accepted, flat(o), T, scale, lower_bound).launch(
+                                               grid=[self.config.head_dim // COLS, v.shape[2], N],
                                                block=[THREADS, 1, 1], stream=stream,
                                                min_blocks_per_mp=MIN_CTAS_PER_SM,
                                                preferred_smem_carveout=SMEM_CARVEOUT)
@@ -111,10 +114,10 @@ class RecurrentStep:
         if cutlass.const_expr(cfg.initial != "none"):
             slot = n
             if cutlass.const_expr(cfg.initial == "pool"):
-                j = Int32(0)
                 if cutlass.const_expr(cfg.spec):
-                    j = accepted[n] - 1
-                slot = init_idx[n, j]
+                    slot = init_idx[n, accepted[n] - 1]
+                else:
+                    slot = init_idx[n]
             if slot >= 0:
                 for r in cutlass.range_constexpr(ROWS):
                     state[r] = h0[slot, hv, row0 + r, col]
@@ -123,17 +126,27 @@ class RecurrentStep:
         if cutlass.const_expr(cfg.a_log):
             a_head = cute.math.exp(a_log[hv], fastmath=False)
 
+        # This token's inputs were loaded during the previous token (the next token's loads are issued before this
+        # token's barriers and sums), so a sequence of Sq tokens waits on global memory once, not Sq times.
+        last = bos + length - 1
+        first = bos
+        if length == 0:
+            first = 0   # an empty sequence (varlen) loads nothing it uses; keep the address in bounds
+        nq, nk, nv, nb, ng = self.load_token(q, k, v, g, beta, first, h, hv, tid, col)
         for t in cutlass.range(length, unroll=1):
             buf = t % 2
             tok = bos + t
+            qx, kx, vraw, braw, graw = nq, nk, nv, nb, ng
+            nxt = tok + 1
+            if nxt > last:
+                nxt = last
+            nq, nk, nv, nb, ng = self.load_token(q, k, v, g, beta, nxt, h, hv, tid, col)
             # Stage q, k (and the per-key decay) of this token; warp sums for the norms and q.k.
-            qx = q[tok, h, tid].to(Float32)
-            kx = k[tok, h, tid].to(Float32)
             s_q[buf, tid] = qx
             s_k[buf, tid] = kx
             if cutlass.const_expr(cfg.kda):
-                s_a[buf, tid] = cute.math.exp(self.gate(g[tok, hv, tid].to(Float32), dt_bias, hv * K + tid, a_head,
-                                                        lower_bound), fastmath=False)
+                s_a[buf, tid] = cute.math.exp(self.gate(graw, dt_bias, hv * K + tid, a_head, lower_bound),
+                                              fastmath=False)
             sqq = warp_sum(qx * qx)
             skk = warp_sum(kx * kx)
             sqk = warp_sum(qx * kx)
@@ -141,16 +154,15 @@ class RecurrentStep:
                 s_stat[buf, warp, 0] = sqq
                 s_stat[buf, warp, 1] = skk
                 s_stat[buf, warp, 2] = sqk
-            vx = v[tok, hv, col].to(Float32)
-            bx = beta[tok, hv].to(Float32)
+            vx = vraw
+            bx = braw
             if cutlass.const_expr(cfg.beta_sigmoid):
                 bx = sigmoid(bx)
                 if cutlass.const_expr(cfg.neg_eigval):
                     bx = bx * Float32(2.0)
             decay = Float32(1.0)
             if cutlass.const_expr(not cfg.kda):
-                decay = cute.math.exp(self.gate(g[tok, hv].to(Float32), dt_bias, hv, a_head, lower_bound),
-                                      fastmath=False)
+                decay = cute.math.exp(self.gate(graw, dt_bias, hv, a_head, lower_bound), fastmath=False)
             cute.arch.sync_threads()
 
             nqq = Float32(0.0)
@@ -198,10 +210,22 @@ class RecurrentStep:
         if cutlass.const_expr(cfg.final != "none" and not cfg.spec):
             slot = n
             if cutlass.const_expr(cfg.final == "pool"):
-                slot = final_idx[n, 0]
+                slot = final_idx[n]
             if slot >= 0:
                 for r in cutlass.range_constexpr(ROWS):
                     ht[slot, hv, row0 + r, col] = state[r]
+
+    @cute.jit
+    def load_token(self, q, k, v, g, beta, tok, h, hv, tid, col):
+        """Token `tok`'s inputs for this thread, as fp32: q and k at key `tid`, v at column `col`, beta, and g (KDA:
+        at key `tid`)."""
+        gx = Float32(0.0)
+        if cutlass.const_expr(self.config.kda):
+            gx = g[tok, hv, tid].to(Float32)
+        else:
+            gx = g[tok, hv].to(Float32)
+        return (q[tok, h, tid].to(Float32), k[tok, h, tid].to(Float32), v[tok, hv, col].to(Float32),
+                beta[tok, hv].to(Float32), gx)
 
     @cute.jit
     def gate(self, x, dt_bias: cute.Tensor, bias_index, a_head, lower_bound):

@@ -24,15 +24,20 @@ HEAD_DIM = 128
 MAX_SEQS = 65535   # the grid's z extent
 
 
-def _dummy(device, dtype, shape=(1,)) -> torch.Tensor:
-    key = (str(device), dtype, shape)
-    hit = _dummies.get(key)
+def _dummies(device) -> tuple:
+    """The 1-element stand-ins for unused arguments on `device`: (fp32 [1], fp32 state [1, 1, K, V], int32 [1],
+    int32 [1, 1]); made once per device."""
+    hit = _dummy_sets.get(device)
     if hit is None:
-        hit = _dummies[key] = torch.zeros(shape, dtype=dtype, device=device)
+        f32, i32 = torch.float32, torch.int32
+        hit = _dummy_sets[device] = (torch.zeros(1, dtype=f32, device=device),
+                                     torch.zeros((1, 1, HEAD_DIM, HEAD_DIM), dtype=f32, device=device),
+                                     torch.zeros(1, dtype=i32, device=device),
+                                     torch.zeros((1, 1), dtype=i32, device=device))
     return hit
 
 
-_dummies: dict = {}
+_dummy_sets: dict = {}
 
 
 def _param(name: str, t, shape: tuple) -> torch.Tensor:
@@ -51,7 +56,7 @@ def _indices(name: str, t, N: int, spec: bool) -> torch.Tensor:
         return t
     if t.dim() != 1 or t.shape[0] != N:
         raise ValueError(f"{name} must be [N = {N}] int32, got shape {tuple(t.shape)}")
-    return t.view(N, 1)
+    return t
 
 
 def fused_recurrent(q, k, v, g, beta, *, kda: bool, scale=None, initial_state=None, output_final_state=False,
@@ -148,19 +153,16 @@ def fused_recurrent(q, k, v, g, beta, *, kda: bool, scale=None, initial_state=No
         o = torch.empty_like(v)
     if N > 0:
         cu = (cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.int()) if varlen else None
-        f32, i32 = torch.float32, torch.int32
+        d_f32, d_state, d_i32, d_idx = _dummies(device)
+        d_idx = d_idx if spec else d_i32
         fn = step_function(kda, HV // H, varlen, initial, final, spec, bool(use_qk_l2norm_in_kernel),
                            bool(use_gate_in_kernel), a_log is not None, bias is not None, lower_bound is not None,
                            bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), q.dtype, g.dtype, beta.dtype)
-        fn(q.view(B * T, H, K), k.view(B * T, H, K), v.view(B * T, HV, V),
-           g.view((B * T, HV, K) if kda else (B * T, HV)), beta.view(B * T, HV),
-           a_log if a_log is not None else _dummy(device, f32), bias if bias is not None else _dummy(device, f32),
-           h0 if h0 is not None else _dummy(device, f32, (1, 1, K, V)),
-           ht if ht is not None else _dummy(device, f32, (1, 1, K, V)),
-           cu if cu is not None else _dummy(device, i32),
-           init_idx if pool and init_idx is not None else _dummy(device, i32, (1, 1)),
-           final_idx if pool and final_idx is not None else _dummy(device, i32, (1, 1)),
-           num_accepted_tokens if spec else _dummy(device, i32), o.view(B * T, HV, V), T, N,
+        # the kernel flattens [B, T, ...] itself: no view on this path
+        fn(q, k, v, g, beta, a_log if a_log is not None else d_f32, bias if bias is not None else d_f32,
+           h0 if h0 is not None else d_state, ht if ht is not None else d_state, cu if cu is not None else d_i32,
+           init_idx if pool and init_idx is not None else d_idx, final_idx if pool and final_idx is not None else d_idx,
+           num_accepted_tokens if spec else d_i32, o, T, N,
            float(scale) if scale is not None else K ** -0.5, float(lower_bound) if lower_bound is not None else 0.0)
     if not output_final_state:
         return o, None

@@ -47,7 +47,7 @@ def _variants() -> list[Variant]:
 
     from .kernels.build import (build_affine_merge, build_decode, build_decode_fixup, build_fused, build_lse_merge,
                                 build_prep, build_recurrent_step, build_state_pass,
-                                build_state_pool_copy)
+                                build_qk_l2norm, build_state_pool_copy)
     from .kernels.configs import (DecodeConfig, FusedConfig, GateForm, MergeConfig, PrepConfig, RecurrentConfig,
                                   StateConfig)
 
@@ -176,6 +176,10 @@ def _variants() -> list[Variant]:
         need = ("bar.sync", "shfl.sync.bfly", "ex2.approx") + (("rsqrt.approx",) if cfg.l2norm else ())
         out.append(Variant("fused_recurrent", name, lambda d, c=cfg, io=io, gd=gd, bd=bd: build_recurrent_step(
             c, io, gd, bd, dump_dir=d), need, ANY))
+    # use_qk_l2norm_in_kernel: q and k normalized in one launch (every arch)
+    for io in (bf, f16):
+        out.append(Variant("l2norm", f"qk_l2norm_{_dtype_tag(io)}", lambda d, io=io: build_qk_l2norm(io, dump_dir=d),
+                           ("shfl.sync.bfly", "rsqrt.approx"), ANY))
     for gather in (True, False):   # the chunked forward's state pool (every arch)
         out.append(Variant("state_pool", f"state_pool_{'gather' if gather else 'scatter'}",
                            lambda d, gather=gather: build_state_pool_copy(gather, dump_dir=d), (LD_GLOBAL_16B,), ANY))

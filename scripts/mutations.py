@@ -263,6 +263,12 @@ GPU_MUTANTS = [
            "                    cute.autovec_copy(cute.local_tile(pool[0, head, r, None], (VEC,), (c,)), buf)",
            ("tests/test_gdn_sm90.py@state_pool_in_place and 300",), True),
     # -- the recurrent decode step
+    Mutant("l2norm eps taken as 1", "QKL2Norm", "cute_kernels/kernels/l2norm.py",
+           "rstd = cute.math.rsqrt(ss + Float32(EPS))", "rstd = cute.math.rsqrt(ss + Float32(1.0))",
+           ("tests/test_gdn_sm90.py@qk_l2norm_kernel",), True),
+    Mutant("l2norm sums half a row", "QKL2Norm", "cute_kernels/kernels/l2norm.py",
+           "for b in cutlass.range_constexpr(5):", "for b in cutlass.range_constexpr(4):",
+           ("tests/test_gdn_sm90.py@qk_l2norm_kernel",), True),
     Mutant("dt_bias ignored in the chunked kernels", "gate loads (chunk_local.gate_value)",
            "cute_kernels/kernels/sm90/chunk_local.py", "            x = x + bias\n", "",
            ("tests/test_gdn_sm90.py@gate_arguments_against_fla and gate-",), True),

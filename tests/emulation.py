@@ -172,6 +172,15 @@ class StatePassEmulator:
                 sN[t["seq"], h, :, cols] = S.float()
 
 
+class L2NormEmulator:
+    """`QKL2Norm`'s contract: rows / sqrt(sum of squares + 1e-6), in float64, cast back."""
+
+    def fn(self, q, k, qn, kn):
+        for x, y in ((q, qn), (k, kn)):
+            xd = x.double()
+            y.copy_((xd / torch.sqrt((xd * xd).sum(-1, keepdim=True) + 1e-6)).to(y.dtype))
+
+
 class Builds(list):
     """The configs the emulated builds were asked for, in order."""
 
@@ -197,6 +206,7 @@ def emulate(monkeypatch, sms: int = 132) -> Builds:
     monkeypatch.setattr(merge, "build_affine_merge", fake(MergeEmulator))
     monkeypatch.setattr(two_phase, "build_prep", fake(PrepEmulator))
     monkeypatch.setattr(two_phase, "build_state_pass", fake(StatePassEmulator))
+    monkeypatch.setattr(la, "build_qk_l2norm", lambda io, dump_dir=None: L2NormEmulator())
     monkeypatch.setattr(la, "check_cuda", lambda **kw: torch.device("cpu"))
     monkeypatch.setattr(la, "device_arch", lambda device=None: "sm_90a")
     monkeypatch.setattr(la, "sm_count", lambda device: sms)

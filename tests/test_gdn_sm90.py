@@ -513,3 +513,31 @@ def test_kda_against_fla(path):
     q, k, v, g, beta, init, o, s = run_and_check(path, 2, 1000, 4, gen, True, kda=True)
     o_fla, s_fla = fla.chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True)
     assert rel_err(o, o_fla) <= 1e-2 and rel_err(s, s_fla) <= 1e-2
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_qk_l2norm_kernel(dtype):
+    """`QKL2Norm` (use_qk_l2norm_in_kernel): every row of q and k over sqrt(sum of squares + 1e-6) against float64,
+    on rows of norm ~1 (where eps or a partial sum shows), a zero row and a large one; outputs poisoned first; two
+    runs bitwise equal."""
+    from cute_kernels.kernels.build import build_qk_l2norm
+
+    gen = torch.Generator().manual_seed(5)
+    q = (0.09 * torch.randn(2, 333, 3, 128, generator=gen)).to("cuda", dtype)
+    k = (0.09 * torch.randn(2, 333, 3, 128, generator=gen)).to("cuda", dtype)
+    q[0, 0, 0] = 0
+    k[1, 5, 2] *= 300
+    fn = build_qk_l2norm(dtype).fn
+    outs = []
+    for _ in range(2):
+        qn, kn = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+        fn(q, k, qn, kn)
+        outs.append((qn, kn))
+    for x, y in zip((q, k), outs[0]):
+        xd = x.double()
+        want = xd / torch.sqrt((xd * xd).sum(-1, keepdim=True) + 1e-6)
+        assert not torch.isnan(y).any()
+        assert (y.double() - want).abs().max().item() <= 2 ** -7   # one 16-bit rounding of a value <= 1
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+    assert outs[0][0][0, 0, 0].abs().max().item() == 0

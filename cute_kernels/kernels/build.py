@@ -270,6 +270,20 @@ def build_recurrent_step(config: RecurrentConfig, io_dtype: torch.dtype, g_dtype
                           dump_dir=dump_dir)
 
 
+def build_qk_l2norm(io_dtype: torch.dtype, dump_dir=None) -> Compiled:
+    """q and k l2-normalized in one launch (every arch): (q, k, qn, kn), each [B, T, H, 128] 16-bit."""
+
+    def build():
+        import_cutlass()
+        from .l2norm import QKL2Norm
+
+        io = cutlass_dtype(io_dtype)
+        four = lambda: fake_tensor(io, (DYN, DYN, DYN, 128))   # noqa: E731
+        return QKL2Norm(io), (four(), four(), four(), four(), fake_stream())
+
+    return compile_kernel(("qk_l2norm", _name(io_dtype)), build, dump_dir=dump_dir)
+
+
 def build_state_pool_copy(gather: bool, dump_dir=None) -> Compiled:
     """Pool gather / scatter of [.., 128, 128] fp32 states (every arch): (dense, pool, idx)."""
 

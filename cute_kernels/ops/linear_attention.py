@@ -12,6 +12,7 @@ import os
 import torch
 
 from ..checks import check_cuda, check_no_grad, check_qkv, check_shape, check_tensor
+from ..kernels.build import build_qk_l2norm
 from ..kernels.configs import GateForm
 from ..paths import plain_gate
 from ..paths.fused import DeviceTableRun, FusedRun
@@ -256,8 +257,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if device_arch(device) != "sm_90a":
         raise NotImplementedError(f"{name} runs on SM90 (Hopper) only for now, got {device_arch(device)}")
     if use_qk_l2norm_in_kernel:
-        q = torch.nn.functional.normalize(q.float(), dim=-1).to(q.dtype)
-        k = torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype)
+        q, k = normalized_qk(q, k)
     scale = float(scale) if scale is not None else K ** -0.5
     init = initial_state is not None
     if out is not None:
@@ -304,6 +304,14 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         # a capture of this call would take another path: build its runner now (a capture cannot copy tables)
         run(plan, plan.graph_path, key)
     return o, final if output_final_state else None
+
+
+def normalized_qk(q, k):
+    """use_qk_l2norm_in_kernel: q and k divided by their rows' norms (FLA's l2norm, eps 1e-6), one launch for both
+    (`QKL2Norm`: each row read and written once)."""
+    qn, kn = torch.empty_like(q), torch.empty_like(k)
+    build_qk_l2norm(q.dtype).fn(q, k, qn, kn)
+    return qn, kn
 
 
 def is_capturing(device) -> bool:

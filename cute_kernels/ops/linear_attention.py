@@ -309,6 +309,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
 def normalized_qk(q, k):
     """use_qk_l2norm_in_kernel: q and k divided by their rows' norms (FLA's l2norm, eps 1e-6), one launch for both
     (`QKL2Norm`: each row read and written once)."""
+    if q.numel() == 0:
+        return q, k
     qn, kn = torch.empty_like(q), torch.empty_like(k)
     build_qk_l2norm(q.dtype).fn(q, k, qn, kn)
     return qn, kn

@@ -12,7 +12,8 @@
 #   decode     the decode-attention GPU tests alone (tests/test_decode.py)
 #   mutations  planted kernel bugs, each caught by the GPU tests (scripts/mutations.py --gpu; $MUTATION_ONLY: --only)
 #   compare    outputs of every path bitwise against the tree in $BASELINE (default .baseline: an older export)
-#   seed8      eight seed cells per op ($SEED_OPS: gdn,kda), $BASELINE and this tree alternated, then the comparison
+#   seed8      eight seed cells per op ($SEED_OPS: gdn,kda; $SEED_FORMS: plain,gate,l2norm), $BASELINE and this tree
+#              alternated, then the comparison
 #              (scripts/seed_cells.py; a fresh ./device_out/seed8_*.json per machine)
 #   fla8       the same cells with FLA (then seed8's comparison again, FLA beside; at least 300 s: Triton autotunes)
 #   paths      scripts/time_paths.py paths
@@ -72,8 +73,10 @@ for stage in $stages; do
     seed8)
       for round in 1 2; do
         PYTHONPATH=$PWD/$baseline:$PYTHONPATH CUTE_KERNELS_AOT_DIR=$PWD/.aot_baseline TAIL=0 \
-          run seed8_old_$round.log $t python3 scripts/seed_cells.py time ours "$keep/seed8_old.json" ${SEED_OPS:-gdn,kda}
-        TAIL=0 run seed8_new_$round.log $t python3 scripts/seed_cells.py time ours "$keep/seed8_new.json" ${SEED_OPS:-gdn,kda}
+          run seed8_old_$round.log $t python3 scripts/seed_cells.py time ours "$keep/seed8_old.json" ${SEED_OPS:-gdn,kda} \
+          ${SEED_FORMS:-plain}
+        TAIL=0 run seed8_new_$round.log $t python3 scripts/seed_cells.py time ours "$keep/seed8_new.json" ${SEED_OPS:-gdn,kda} \
+          ${SEED_FORMS:-plain}
       done
       TAIL=30 run seed8.log 60 python3 scripts/seed_cells.py compare "$keep/seed8_new.json" "$keep/seed8_old.json" ;;
     fla8)

@@ -23,6 +23,7 @@ COLS = 32       # state columns per CTA: lane l holds column 32 vb + l
 WARPS = THREADS // 32
 EPS = 1e-6      # l2norm: x / sqrt(sum x^2 + EPS), as FLA
 MIN_CTAS_PER_SM = 4   # the register budget ptxas gets (128 a thread): at 80 (6 a SM) or its own choice it spilled
+STAGED = 3            # token buffers of q, k, decay and warp sums in shared memory
 SMEM_CARVEOUT = 25    # percent of the SM's memory as shared (3 KB a CTA; the rest stays L1), fixed: no device query
 
 
@@ -49,10 +50,11 @@ class RecurrentStep:
     """One CTA per (32 state columns, value head, sequence); 128 threads, no warp specialization, no pipelines.
 
     Thread (warp w, lane l) holds S[32 w + r, 32 vb + l] for r < 32 in registers. Per token: every thread stages
-    one of the 128 entries of q, k (and KDA's decay) in shared memory, with warp sums of q.q, k.k, q.k (barrier
-    1); each thread decays its 32 rows and sums k_r S_r and q_r S_r over them; the four warps' partial sums meet
-    in shared memory (barrier 2); every thread then has k^T S and q^T S of its column, updates its rows, and warp
-    0 writes o. Shared buffers alternate by token parity, so two barriers per token suffice.
+    one of the 128 entries of q, k (and KDA's decay) in shared memory, with warp sums of q.q, k.k, q.k; each
+    thread decays its 32 rows and sums k_r S_r and q_r S_r over them; the four warps' partial sums meet in shared
+    memory; every thread then has k^T S and q^T S of its column, updates its rows, and warp 0 writes o. Token
+    t + 1 is staged (and token t + 2 loaded) between token t's partial sums and its one barrier: three q / k
+    buffers and two partial-sum buffers keep every reader ahead of the next writer with one barrier per token.
 
     Tensors as the op has them ([B, T, ...]; varlen B = 1; flattened here to [B * T, ...]): q, k [B, T, H, K];
     v, o [B, T, HV, V]; g [B, T, HV] or [B, T, HV, K]; beta [B, T, HV]; a_log [HV] fp32; dt_bias [HV] or [HV * K]
@@ -96,10 +98,13 @@ class RecurrentStep:
         h = hv // cfg.group
 
         smem = cutlass.memory.SmemAllocator()
-        s_q = smem.allocate_tensor(Float32, cute.make_layout((2, K), stride=(K, 1)), 16)
-        s_k = smem.allocate_tensor(Float32, cute.make_layout((2, K), stride=(K, 1)), 16)
-        s_a = smem.allocate_tensor(Float32, cute.make_layout((2, K), stride=(K, 1)), 16)
-        s_stat = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS, 4), stride=(4 * WARPS, 4, 1)), 16)
+        # q, k, the per-key decay and the warp sums of a token: three buffers (token t's are read up to its state
+        # update, after the barrier, while token t + 1's are being staged)
+        s_q = smem.allocate_tensor(Float32, cute.make_layout((STAGED, K), stride=(K, 1)), 16)
+        s_k = smem.allocate_tensor(Float32, cute.make_layout((STAGED, K), stride=(K, 1)), 16)
+        s_a = smem.allocate_tensor(Float32, cute.make_layout((STAGED, K), stride=(K, 1)), 16)
+        s_stat = smem.allocate_tensor(Float32, cute.make_layout((STAGED, WARPS, 4), stride=(4 * WARPS, 4, 1)), 16)
+        staging = (s_q, s_k, s_a, s_stat)
         s_part = smem.allocate_tensor(Float32, cute.make_layout((2, 2, WARPS, COLS),
                                                                 stride=(2 * WARPS * COLS, WARPS * COLS, COLS, 1)), 16)
 
@@ -126,45 +131,24 @@ class RecurrentStep:
         if cutlass.const_expr(cfg.a_log):
             a_head = cute.math.exp(a_log[hv], fastmath=False)
 
-        # This token's inputs were loaded during the previous token (the next token's loads are issued before this
-        # token's barriers and sums), so a sequence of Sq tokens waits on global memory once, not Sq times.
+        # One barrier per token: token t + 1's q, k (and decay) are staged while token t's partial sums are
+        # formed, and each token's inputs are loaded a token ahead, so Sq tokens wait on global memory once.
         last = bos + length - 1
-        first = bos
-        if length == 0:
-            first = 0   # an empty sequence (varlen) loads nothing it uses; keep the address in bounds
-        nq, nk, nv, nb, ng = self.load_token(q, k, v, g, beta, first, h, hv, tid, col)
-        for t in cutlass.range(length, unroll=1):
-            buf = t % 2
-            tok = bos + t
-            qx, kx, vraw, braw, graw = nq, nk, nv, nb, ng
-            nxt = tok + 1
+        zero = Float32(0.0)
+        cq, ck, cv, cb, cg = zero, zero, zero, zero, zero
+        nq, nk, nv, nb, ng = zero, zero, zero, zero, zero
+        if length > 0:   # (an empty sequence reads nothing)
+            cq, ck, cv, cb, cg = self.load_token(q, k, v, g, beta, bos, h, hv, tid, col)
+            self.stage(staging, 0, cq, ck, cg, dt_bias, hv, tid, warp, lane, a_head, lower_bound)
+            nxt = bos + 1
             if nxt > last:
                 nxt = last
             nq, nk, nv, nb, ng = self.load_token(q, k, v, g, beta, nxt, h, hv, tid, col)
-            # Stage q, k (and the per-key decay) of this token; warp sums for the norms and q.k.
-            s_q[buf, tid] = qx
-            s_k[buf, tid] = kx
-            if cutlass.const_expr(cfg.kda):
-                s_a[buf, tid] = cute.math.exp(self.gate(graw, dt_bias, hv * K + tid, a_head, lower_bound),
-                                              fastmath=False)
-            sqq = warp_sum(qx * qx)
-            skk = warp_sum(kx * kx)
-            sqk = warp_sum(qx * kx)
-            if lane == 0:
-                s_stat[buf, warp, 0] = sqq
-                s_stat[buf, warp, 1] = skk
-                s_stat[buf, warp, 2] = sqk
-            vx = vraw
-            bx = braw
-            if cutlass.const_expr(cfg.beta_sigmoid):
-                bx = sigmoid(bx)
-                if cutlass.const_expr(cfg.neg_eigval):
-                    bx = bx * Float32(2.0)
-            decay = Float32(1.0)
-            if cutlass.const_expr(not cfg.kda):
-                decay = cute.math.exp(self.gate(graw, dt_bias, hv, a_head, lower_bound), fastmath=False)
-            cute.arch.sync_threads()
-
+        cute.arch.sync_threads()
+        for t in cutlass.range(length, unroll=1):
+            buf = t % STAGED
+            pbuf = t % 2
+            tok = bos + t
             nqq = Float32(0.0)
             nkk = Float32(0.0)
             qk = Float32(0.0)
@@ -177,6 +161,9 @@ class RecurrentStep:
             if cutlass.const_expr(cfg.l2norm):
                 rq = scale * cute.math.rsqrt(nqq + Float32(EPS))
                 rk = cute.math.rsqrt(nkk + Float32(EPS))
+            decay = Float32(1.0)
+            if cutlass.const_expr(not cfg.kda):
+                decay = cute.math.exp(self.gate(cg, dt_bias, hv, a_head, lower_bound), fastmath=False)
             pk = Float32(0.0)
             pq = Float32(0.0)
             for r in cutlass.range_constexpr(ROWS):
@@ -186,15 +173,29 @@ class RecurrentStep:
                     state[r] = state[r] * decay
                 pk = pk + s_k[buf, row0 + r] * state[r]
                 pq = pq + s_q[buf, row0 + r] * state[r]
-            s_part[buf, 0, warp, lane] = pk
-            s_part[buf, 1, warp, lane] = pq
+            s_part[pbuf, 0, warp, lane] = pk
+            s_part[pbuf, 1, warp, lane] = pq
+            # token t + 1 into the next buffer (its last reader, token t - 2, finished before the last barrier);
+            # token t + 2's loads issued
+            self.stage(staging, (t + 1) % STAGED, nq, nk, ng, dt_bias, hv, tid, warp, lane, a_head, lower_bound)
+            vx = cv
+            bx = cb
+            cv, cb, cg = nv, nb, ng
+            nxt = tok + 2
+            if nxt > last:
+                nxt = last
+            nq, nk, nv, nb, ng = self.load_token(q, k, v, g, beta, nxt, h, hv, tid, col)
             cute.arch.sync_threads()
 
+            if cutlass.const_expr(cfg.beta_sigmoid):
+                bx = sigmoid(bx)
+                if cutlass.const_expr(cfg.neg_eigval):
+                    bx = bx * Float32(2.0)
             ks = Float32(0.0)
             qs = Float32(0.0)
             for w in cutlass.range_constexpr(WARPS):
-                ks = ks + s_part[buf, 0, w, lane]
-                qs = qs + s_part[buf, 1, w, lane]
+                ks = ks + s_part[pbuf, 0, w, lane]
+                qs = qs + s_part[pbuf, 1, w, lane]
             u = bx * (vx - ks * rk)
             if warp == 0:
                 o[tok, hv, col] = (qs * rq + qk * rq * rk * u).to(self.io_dtype)
@@ -214,6 +215,24 @@ class RecurrentStep:
             if slot >= 0:
                 for r in cutlass.range_constexpr(ROWS):
                     ht[slot, hv, row0 + r, col] = state[r]
+
+    @cute.jit
+    def stage(self, staging, buf, qx, kx, graw, dt_bias, hv, tid, warp, lane, a_head, lower_bound):
+        """A token's q and k entry `tid` (and KDA's decay exp(g) at key `tid`) into buffer `buf`, with this warp's
+        sums of q.q, k.k and q.k."""
+        s_q, s_k, s_a, s_stat = staging
+        s_q[buf, tid] = qx
+        s_k[buf, tid] = kx
+        if cutlass.const_expr(self.config.kda):
+            s_a[buf, tid] = cute.math.exp(self.gate(graw, dt_bias, hv * self.config.head_dim + tid, a_head,
+                                                    lower_bound), fastmath=False)
+        sqq = warp_sum(qx * qx)
+        skk = warp_sum(kx * kx)
+        sqk = warp_sum(qx * kx)
+        if lane == 0:
+            s_stat[buf, warp, 0] = sqq
+            s_stat[buf, warp, 1] = skk
+            s_stat[buf, warp, 2] = sqk
 
     @cute.jit
     def load_token(self, q, k, v, g, beta, tok, h, hv, tid, col):

@@ -180,7 +180,6 @@ G_MERGE = ("tests/test_merge.py@affine_merge_matches_reference or long_chain",) 
 G_SCALE = ("tests/test_gdn_sm90.py@scale_final_state_and_l2norm and 300",)
 G_PREP = ("tests/test_two_phase.py@prep_kernel_matches and 1000",)
 G_TAIL = ("tests/test_gdn_sm90.py@varlen and long-and-short and weak and True",)
-DECODE = "cute_kernels/kernels/sm90/decode.py"
 STEP = "cute_kernels/kernels/recurrent_step.py"
 FIXUP = "cute_kernels/kernels/decode_fixup.py"
 G_DECODE = ("tests/test_decode.py@contiguous_gqa and 32-8",)
@@ -247,11 +246,11 @@ GPU_MUTANTS = [
            "            mCounters[unit] = Int32(0)", "            pass", G_DECODE, True),
     Mutant("split weight dropped in the fixup", "decode fixup", FIXUP, "acc[j] = acc[j] * c + w * part[j]",
            "acc[j] = acc[j] * c + part[j]", G_DECODE, True),
-    Mutant("page table read as contiguous pages", "decode producer", DECODE,
+    Mutant("page table read as contiguous pages", "decode box row (decode_fixup.box_row)", FIXUP,
            "page = mPages[b, t // page_size]", "page = mPages[b, 0] + t // page_size", G_DECODE_PAGED, True),
-    Mutant("new tokens' causal mask off by one", "decode softmax", DECODE,
-           "visible = visible and t <= length - self.q_len + r // self.group",
-           "visible = visible and t < length - self.q_len + r // self.group", G_DECODE_CAUSAL, True),
+    Mutant("new tokens' causal mask off by one", "decode score mask (decode_fixup.masked_score)", FIXUP,
+           "visible = visible and t <= length - config.q_len + row // config.group",
+           "visible = visible and t < length - config.q_len + row // config.group", G_DECODE_CAUSAL, True),
     Mutant("last partial block's length taken as 64", "decode split range (decode_fixup.split_range)", FIXUP,
            "    if kv_end > length:\n        kv_end = length\n", "", G_DECODE, True),
     # -- GVA in the chunked forward

@@ -1,6 +1,7 @@
 """The split-KV fixup (every arch): a unit's partials (o normalized within its split, lse) merged into its output.
 
-`split_range` maps a work tile to its tokens (both decode kernels). `merge_unit` is the merge (the math of
+`split_range`, `box_row` and `masked_score` are the work tile's tokens, a box's cache row and a score's mask (both
+decode kernels). `merge_unit` is the merge (the math of
 `reference.softmax_attention.lse_merge`). Inside the decode kernel,
 `is_last_split` picks the CTA that runs it: every split's CTA, once its partial is stored, fences (gpu-scope
 acq_rel) and adds 1 to its unit's counter; the one that sees num_splits - 1 is last, puts the counter back to 0
@@ -47,6 +48,35 @@ def split_range(work, num_kv_heads, mLens, chunk: int, block: int):
     if kv_end > kv0:
         blocks = (kv_end - kv0 + block - 1) // block
     return b, kv_head, kv0, kv_end, blocks, length
+
+
+@cute.jit
+def box_row(t, b, length, mPages, page_size, paged: bool, box: int):
+    """The cache row of the `box`-token TMA box at token t of batch row b: page * page_size + t % page_size, page =
+    page_table[b, t // page_size] (`paged`) or b (a contiguous [B, Tmax] cache: page_size = Tmax). A box past the
+    cache length re-reads the last one (its scores are masked)."""
+    last_box = ((length - 1) // box) * box
+    if t > last_box:
+        t = last_box
+    page = b
+    if cutlass.const_expr(paged):
+        page = mPages[b, t // page_size]
+    return page * page_size + t % page_size
+
+
+@cute.jit
+def masked_score(x, t, kv_end, length, row, scale, softcap, config, log2e):
+    """A raw score q.k of key t for query row `row` (= i * group + g) in log2 units: scaled, or through softcap
+    tanh; -inf past the split's end and, with several new tokens, past new token i's own position (it sits at
+    length - q_len + i and sees the keys up to it)."""
+    if cutlass.const_expr(config.softcap):
+        x = softcap * cute.math.tanh(x * scale / softcap, fastmath=True) * log2e
+    else:
+        x = x * (scale * log2e)
+    visible = t < kv_end
+    if cutlass.const_expr(config.q_len > 1):
+        visible = visible and t <= length - config.q_len + row // config.group
+    return cutlass.select_(visible, x, -Float32.inf)
 
 
 @cute.jit

@@ -17,7 +17,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from schedulers.device import TileScheduler
 
 from ..configs import DecodeConfig
-from ..decode_fixup import is_last_split, merge_unit, split_range, unit_rows
+from ..decode_fixup import box_row, is_last_split, masked_score, merge_unit, split_range, unit_rows
 from ..views import dth, flat, thd
 from .budgets import check_smem, tmem_plan
 
@@ -210,18 +210,11 @@ class SplitKVDecodeSm100:
         while work.is_valid:
             if work.seg_slot >= 0:
                 b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, CHUNK, C)
-                last_box = ((length - 1) // BOX) * BOX
                 for j in cutlass.range(blocks, unroll=1):
                     load.producer_acquire(state)
                     bar = load.producer_get_barrier(state)
                     for k in cutlass.range_constexpr(C // BOX):
-                        t = kv0 + j * C + k * BOX
-                        if t > last_box:
-                            t = last_box
-                        page = b
-                        if cutlass.const_expr(self.config.paged):
-                            page = mPages[b, t // page_size]
-                        row = page * page_size + t % page_size
+                        row = box_row(kv0 + j * C + k * BOX, b, length, mPages, page_size, self.config.paged, BOX)
                         stage_box = state.index * (C // BOX) + k
                         gK = cute.local_tile(cute.domain_offset((row, 0), mK[None, None, kv_head]), (BOX, D), (0, 0))
                         sk_part, gk_part = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
@@ -344,17 +337,8 @@ class SplitKVDecodeSm100:
                     block_max = -Float32.inf
                     for k in cutlass.range_constexpr(C // BOX):
                         for c in cutlass.range_constexpr(BOX):
-                            t = t0 + k * BOX + c
-                            x = s_vals[k][c]
-                            if cutlass.const_expr(self.config.softcap):
-                                x = softcap * cute.math.tanh(x * scale / softcap, fastmath=True) * LOG2E
-                            else:
-                                x = x * (scale * LOG2E)
-                            visible = t < kv_end
-                            if cutlass.const_expr(self.config.q_len > 1):
-                                # new token i sits at position length - q_len + i and sees the keys up to it
-                                visible = visible and t <= length - self.config.q_len + tidx // self.group
-                            x = cutlass.select_(visible, x, -Float32.inf)
+                            x = masked_score(s_vals[k][c], t0 + k * BOX + c, kv_end, length, tidx, scale, softcap,
+                                             self.config, LOG2E)
                             s_vals[k][c] = x
                             block_max = cute.arch.fmax(block_max, x)
                     new_max = cute.arch.fmax(row_max, block_max)

@@ -16,7 +16,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from schedulers.device import TileScheduler
 
 from ..configs import DECODE_ROWS, DecodeConfig
-from ..decode_fixup import is_last_split, merge_unit, split_range, unit_rows
+from ..decode_fixup import box_row, is_last_split, masked_score, merge_unit, split_range, unit_rows
 from . import wgmma_tiles as wt
 
 C = 64        # KV tokens per block: one ring stage
@@ -133,18 +133,11 @@ class SplitKVDecodeSm90:
         while work.is_valid:
             if work.seg_slot >= 0:
                 b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, C, C)
-                last_box = ((length - 1) // BOX) * BOX
                 for j in cutlass.range(blocks, unroll=1):
                     load.producer_acquire(state)
                     bar = load.producer_get_barrier(state)
                     for k in cutlass.range_constexpr(C // BOX):
-                        t = kv0 + j * C + k * BOX
-                        if t > last_box:
-                            t = last_box
-                        page = b
-                        if cutlass.const_expr(self.config.paged):
-                            page = mPages[b, t // page_size]
-                        row = page * page_size + t % page_size
+                        row = box_row(kv0 + j * C + k * BOX, b, length, mPages, page_size, self.config.paged, BOX)
                         for tma, m, s in ((tma_k, mK, sK), (tma_v, mV, sV)):
                             g_box = cute.local_tile(cute.domain_offset((row, 0), m[None, None, kv_head]),
                                                     (BOX, self.head_dim), (0, 0))
@@ -231,17 +224,8 @@ class SplitKVDecodeSm90:
         for k in cutlass.range_constexpr(C // BOX):
             for i in cutlass.range_constexpr(cute.size(acc_s[k])):
                 r, col = cc_s[i]
-                t = t0 + k * BOX + col
-                x = acc_s[k][i]
-                if cutlass.const_expr(self.config.softcap):
-                    x = softcap * cute.math.tanh(x * scale / softcap, fastmath=True) * LOG2E
-                else:
-                    x = x * (scale * LOG2E)
-                visible = t < kv_end
-                if cutlass.const_expr(self.q_len > 1):
-                    # new token i sits at position length - q_len + i and sees the keys up to it
-                    visible = visible and t <= length - self.q_len + r // self.group
-                x = cutlass.select_(visible, x, -Float32.inf)
+                x = masked_score(acc_s[k][i], t0 + k * BOX + col, kv_end, length, r, scale, softcap, self.config,
+                                 LOG2E)
                 acc_s[k][i] = x
                 h = (i // 2) % 2
                 block_max[h] = cute.arch.fmax(block_max[h], x)

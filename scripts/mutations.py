@@ -229,12 +229,12 @@ GPU_MUTANTS = [
            "                elif cutlass.const_expr(self.has_initial_state):\n",
            "                elif cutlass.const_expr(False):\n", G_FUSED, True),
     Mutant("scale ignored (K^-0.5 used)", "phase 1, compact build (GDN)", PREP,
-           "self.prep_consumer(sched, load, wg, tidx, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, scale, st,",
-           "self.prep_consumer(sched, load, wg, tidx, mG, mBeta, mQg, mW, mU, mKg, mA, mEg, "
-           "Float32(0.08838834764831845), st,", G_SCALE, True),
+           "                                   mKg, mA, mEg, scale, st, mFlags, chunks_per_seq, consumers, None)",
+           "                                   mKg, mA, mEg, Float32(0.08838834764831845), st, mFlags, chunks_per_seq, "
+           "consumers, None)", G_SCALE, True),
     Mutant("scale ignored (K^-0.5 used)", "fused kernel", FUSED,
-           "tidx - 128, mG, mBeta, mO, mS0, mSN, scale, st)",
-           "tidx - 128, mG, mBeta, mO, mS0, mSN, Float32(0.08838834764831845), st)", G_SCALE, True),
+           "mO, mS0, mSN,\n                          scale, st)",
+           "mO, mS0, mSN,\n                          Float32(0.08838834764831845), st)", G_SCALE, True),
     Mutant("beta ignored on one term", "the solve's Xv (chunk-local math)", LOCAL, "yv[e] = io(xb[e])",
            "yv[e] = io(xv)", G_PREP + G_FUSED, True),
     Mutant("last partial chunk's length taken as 64", "state pass", STATE,

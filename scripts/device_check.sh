@@ -13,6 +13,8 @@
 #   decode     the decode-attention GPU tests alone (tests/test_decode.py)
 #   mutations  planted kernel bugs, each caught by the GPU tests (scripts/mutations.py --gpu; $MUTATION_ONLY: --only)
 #   compare    outputs of every path bitwise against the tree in $BASELINE (default .baseline: an older export)
+#   decode-ab  the decode steps (GDN, KDA) of $BASELINE and this tree on $DECODE_CELLS of the full grid, alternated
+#              twice, FLA beside (its times: the rounds' drift)
 #   seed8      eight seed cells per op ($SEED_OPS: gdn,kda; $SEED_FORMS: plain,gate,l2norm), $BASELINE and this tree
 #              alternated, then the comparison
 #              (scripts/seed_cells.py; a fresh ./device_out/seed8_*.json per machine)
@@ -76,6 +78,17 @@ for stage in $stages; do
       PYTHONPATH=$PWD/$baseline:$PYTHONPATH CUTE_KERNELS_AOT_DIR=$PWD/.aot_baseline TAIL=3 \
         run compare_save.log $t python3 scripts/compare_builds.py save /tmp/baseline_outputs.pt
       TAIL=40 run compare_check.log $t python3 scripts/compare_builds.py check /tmp/baseline_outputs.pt ;;
+    decode-ab)   # the decode steps of $BASELINE and this tree on $DECODE_CELLS, alternated twice (FLA beside)
+      for op in gdn_decode kda_decode; do
+        for round in 1 2; do
+          # -P: no working folder on sys.path, so the baseline's cute_kernels comes first (benchmarks from here)
+          PYTHONPATH=$PWD/$baseline:$PYTHONPATH CUTE_KERNELS_AOT_DIR=$PWD/.aot_baseline TAIL=12 \
+            run "${op}_old_$round.log" $t python3 -P -m benchmarks.sweep --op $op --grid full \
+            --cells "${DECODE_CELLS:-68:72,8,10,11,56,58,59}" --peers fla --out /tmp/decode_old
+          TAIL=12 run "${op}_new_$round.log" $t python3 -m benchmarks.sweep --op $op --grid full \
+            --cells "${DECODE_CELLS:-68:72,8,10,11,56,58,59}" --peers fla --out /tmp/decode_new
+        done
+      done ;;
     seed8)
       for round in 1 2; do
         PYTHONPATH=$PWD/$baseline:$PYTHONPATH CUTE_KERNELS_AOT_DIR=$PWD/.aot_baseline TAIL=0 \

@@ -168,6 +168,7 @@ STATE = "cute_kernels/kernels/sm90/state_pass.py"
 FUSED = "cute_kernels/kernels/sm90/fused.py"
 PREP = "cute_kernels/kernels/sm90/chunk_prep.py"
 LOCAL = "cute_kernels/kernels/sm90/chunk_local.py"
+MATH = "cute_kernels/kernels/chunk_math.py"
 SIMT_MERGE = "cute_kernels/kernels/merge.py"
 TC_MERGE = "cute_kernels/kernels/sm90/affine_merge_tc.py"
 G_STATE = ("tests/test_two_phase.py@state_pass_kernel and 4096 and weak",)   # g = 0 would hide the carry factor
@@ -235,12 +236,12 @@ GPU_MUTANTS = [
     Mutant("scale ignored (K^-0.5 used)", "fused kernel", FUSED,
            "mO, mS0, mSN,\n                          scale, st)",
            "mO, mS0, mSN,\n                          Float32(0.08838834764831845), st)", G_SCALE, True),
-    Mutant("beta ignored on one term", "the solve's Xv (chunk-local math)", LOCAL, "yv[e] = io(xb[e])",
+    Mutant("beta ignored on one term", "the solve's Xv (chunk_math)", MATH, "yv[e] = io(xb[e])",
            "yv[e] = io(xv)", G_PREP + G_FUSED, True),
     Mutant("last partial chunk's length taken as 64", "state pass", STATE,
            "    if L > C:\n        L = Int32(C)\n    return t0, L", "    L = Int32(C)\n    return t0, L", G_TAIL, True),
     Mutant("last partial chunk's length taken as 64", "fused kernel", FUSED,
-           "                L = local.rows_in(tok_end - t0)\n", "                L = Int32(C)\n", G_TAIL, True),
+           "                L = local.math.rows_in(tok_end - t0)\n", "                L = Int32(C)\n", G_TAIL, True),
     # -- decode attention
     Mutant("fixup counter not reset for the next call", "decode fixup", FIXUP,
            "            mCounters[unit] = Int32(0)", "            pass", G_DECODE, True),
@@ -268,8 +269,8 @@ GPU_MUTANTS = [
     Mutant("l2norm sums half a row", "QKL2Norm", "cute_kernels/kernels/l2norm.py",
            "for b in cutlass.range_constexpr(5):", "for b in cutlass.range_constexpr(4):",
            ("tests/test_gdn_sm90.py@qk_l2norm_kernel",), True),
-    Mutant("dt_bias ignored in the chunked kernels", "gate loads (chunk_local.gate_value)",
-           "cute_kernels/kernels/sm90/chunk_local.py", "            x = x + bias\n", "",
+    Mutant("dt_bias ignored in the chunked kernels", "gate loads (chunk_math.gate_value)", MATH,
+           "            x = x + bias\n", "",
            ("tests/test_gdn_sm90.py@gate_arguments_against_fla and gate-",), True),
     Mutant("GVA heads tiled instead of grouped", "recurrent step", STEP, "h = hv // cfg.group", "h = hv % cfg.group",
            ("tests/test_recurrent.py@kernel_matches_spec and weak",), True),

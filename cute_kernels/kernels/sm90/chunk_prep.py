@@ -14,7 +14,8 @@ from schedulers.device import TileScheduler
 
 from ..configs import PrepConfig
 from . import wgmma_tiles as wt
-from .chunk_local import AKK_STRIDE, HALF, SOLVE_Y, SOLVE_Y_MMA, C, ChunkLocalSm90
+from ..chunk_math import AKK_STRIDE, SOLVE_Y, SOLVE_Y_MMA, C
+from .chunk_local import HALF, ChunkLocalSm90
 
 
 class ChunkPrepSm90:
@@ -355,22 +356,22 @@ class ChunkPrepSm90:
             tok0 = work.tok_start
             tok_end = work.tok_end
             mALog, mDtBias, lower_bound = gate_args
-            gp = local.gate_params(mALog, mDtBias, head, ctid)   # FLA's gate arguments, applied as read
-            gv, gw, bv = local.gate_rows(ctid, tok0, tok_end, head, mG, mBeta, gp, lower_bound)
+            gp = local.math.gate_params(mALog, mDtBias, head, ctid)   # FLA's gate arguments, applied as read
+            gv, gw, bv = local.math.gate_rows(ctid, tok0, tok_end, head, mG, mBeta, gp, lower_bound)
             if cutlass.const_expr(kda):
-                local.kda_g_prefetch_vec(ctid, tok0, local.rows_in(tok_end - tok0), head, mG, sGk)
+                local.math.kda_g_prefetch_vec(ctid, tok0, local.math.rows_in(tok_end - tok0), head, mG, sGk)
 
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
                 t0 = tok0 + c * C
-                L = local.rows_in(tok_end - t0)
+                L = local.math.rows_in(tok_end - t0)
                 # -- 0. gates (as the fused kernel: loaded one chunk ahead)
                 if cutlass.const_expr(kda):
-                    local.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv, gp, lower_bound, sC=sC,
+                    local.math.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv, gp, lower_bound, sC=sC,
                                     g_vec=True)
-                    _, _, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
+                    _, _, bv = local.math.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
                 else:
-                    local.gdn_gates(ctid, L, gv, gw, bv, sG, sEG, sEGL, sBeta)
-                    gv, gw, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
+                    local.math.gdn_gates(ctid, L, gv, gw, bv, sG, sEG, sEGL, sBeta)
+                    gv, gw, bv = local.math.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
                 if cutlass.const_expr(self.tma_store):
                     if ctid == 0:
                         # the last chunk's TMA stores have read their staging tiles (the barrier below tells all)
@@ -382,7 +383,7 @@ class ChunkPrepSm90:
                 # -- 1. Akk (fp32) and Aqk (16-bit); KDA: then the in-place gating of q and k, kb = k 2^G
                 if cutlass.const_expr(self.kda):
                     more = c + 1 < work.chunk_end - work.chunk_start   # the next chunk's g to prefetch
-                    L1 = local.rows_in(tok_end - t0 - C)
+                    L1 = local.math.rows_in(tok_end - t0 - C)
                     if sFlag[0] != 0:   # past the anchor limit: the exact path, then the gating pass
                         local.kda_intra(j, ctid, wtid, L, scale, stage, sQ, sK, sAkk, sAqk, sW, sGk, sBeta, sFlag,
                                         st)
@@ -391,7 +392,7 @@ class ChunkPrepSm90:
                         cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.barrier(barrier_id=1, number_of_threads=256)
                         if more:
-                            local.kda_g_prefetch_vec(ctid, t0 + C, L1, head, mG, sGk)
+                            local.math.kda_g_prefetch_vec(ctid, t0 + C, L1, head, mG, sGk)
                     else:
                         q_scale = Float32(1.0)
                         if cutlass.const_expr(self.tma_store):
@@ -407,7 +408,7 @@ class ChunkPrepSm90:
                         else:
                             local.kda_row_issue(wtid, acc_b, sLq, sR)
                         if more:
-                            local.kda_g_prefetch_vec(ctid, t0 + C, L1, head, mG, sGk)
+                            local.math.kda_g_prefetch_vec(ctid, t0 + C, L1, head, mG, sGk)
                         warpgroup.wait_group(0)
                         if j == 0:
                             local.kda_row_finish(wtid, L, scale, thr_b, acc_b, tAkk, sAqk, sBeta, True)
@@ -428,7 +429,7 @@ class ChunkPrepSm90:
                     cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
                 # -- 2. X = (I + Akk)^-1 -> Xv = X diag(beta), GDN: Xk = X diag(beta 2^G)
-                local.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG, sEGL if self.folded and not kda else None)
+                local.math.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG, sEGL if self.folded and not kda else None)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
 

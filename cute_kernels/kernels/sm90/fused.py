@@ -15,7 +15,8 @@ from schedulers.device import TileScheduler
 
 from ..configs import FusedConfig
 from . import wgmma_tiles as wt
-from .chunk_local import AKK_STRIDE, HALF, SOLVE_Y, C, ChunkLocalSm90
+from ..chunk_math import AKK_STRIDE, SOLVE_Y, C
+from .chunk_local import HALF, ChunkLocalSm90
 
 NUM_STAGES = 2  # q/k/v ring depth for GDN (KDA: 1)
 
@@ -250,21 +251,21 @@ class ChunkedForwardSm90:
             # The gates are loaded one chunk ahead: GDN's g and beta rows into registers, KDA's beta (its g by
             # cp.async into sGk). FLA's gate arguments apply as they are read (gp: this tile's parameters).
             mALog, mDtBias, lower_bound = gate_args
-            gp = local.gate_params(mALog, mDtBias, head, ctid)
-            gv, gw, bv = local.gate_rows(ctid, tok0, tok_end, head, mG, mBeta, gp, lower_bound)
+            gp = local.math.gate_params(mALog, mDtBias, head, ctid)
+            gv, gw, bv = local.math.gate_rows(ctid, tok0, tok_end, head, mG, mBeta, gp, lower_bound)
             if cutlass.const_expr(kda):
-                local.kda_g_prefetch(ctid, tok0, local.rows_in(tok_end - tok0), head, mG, sGk)
+                local.math.kda_g_prefetch(ctid, tok0, local.math.rows_in(tok_end - tok0), head, mG, sGk)
 
             for c in cutlass.range(work.chunk_end - work.chunk_start, unroll=1):
                 t0 = tok0 + c * C
-                L = local.rows_in(tok_end - t0)
+                L = local.math.rows_in(tok_end - t0)
                 # -- 0. gates of this chunk (fp32, log2 units), before waiting on the tile
                 if cutlass.const_expr(kda):
-                    local.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv, gp, lower_bound)
-                    _, _, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
+                    local.math.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv, gp, lower_bound)
+                    _, _, bv = local.math.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
                 else:
-                    local.gdn_gates(ctid, L, gv, gw, bv, sG, sEG, sEGL, sBeta)
-                    gv, gw, bv = local.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
+                    local.math.gdn_gates(ctid, L, gv, gw, bv, sG, sEG, sEGL, sBeta)
+                    gv, gw, bv = local.math.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
 
                 load.consumer_wait(state)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
@@ -280,7 +281,7 @@ class ChunkedForwardSm90:
                     cute.arch.barrier(barrier_id=1, number_of_threads=256)
                     # sGk is free until the next chunk's gates: stream that chunk's raw g into it.
                     if c + 1 < work.chunk_end - work.chunk_start:
-                        local.kda_g_prefetch(ctid, t0 + C, local.rows_in(tok_end - t0 - C), head, mG, sGk)
+                        local.math.kda_g_prefetch(ctid, t0 + C, local.math.rows_in(tok_end - t0 - C), head, mG, sGk)
                     if cutlass.const_expr(outputs):
                         local.gemm(wtid, acc_o, sQ[None, None, stage], sS_mn[None, None, j], False, True, False)
                         for i in cutlass.range_constexpr(cute.size(acc_o)):
@@ -302,7 +303,7 @@ class ChunkedForwardSm90:
                     cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
                 # -- 2. X = (I + Akk)^-1 in fp32 -> Xv = X diag(beta), GDN: Xk = X diag(beta 2^G) (bf16)
-                local.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG)
+                local.math.solve_blocked(ctid, sAkk, sY, sXv, sXk, sBeta, sEG)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
 

@@ -153,18 +153,14 @@ class SplitKVDecodeSm100:
         load = pipeline.PipelineTmaUmma.create(barrier_storage=st.load_mbar.data_ptr(), num_stages=ns,
                                                producer_group=thread(1), consumer_group=thread(1),
                                                tx_count=self.tma_bytes, defer_sync=True)
-        q_full = pipeline.PipelineAsyncUmma.create(barrier_storage=st.q_mbar.data_ptr(), num_stages=1,
-                                                   producer_group=thread(softmax_threads), consumer_group=thread(1),
-                                                   defer_sync=True)
-        s_full = pipeline.PipelineUmmaAsync.create(barrier_storage=st.s_mbar.data_ptr(), num_stages=1,
-                                                   producer_group=thread(1), consumer_group=thread(softmax_threads),
-                                                   defer_sync=True)
-        p_full = pipeline.PipelineAsyncUmma.create(barrier_storage=st.p_mbar.data_ptr(), num_stages=1,
-                                                   producer_group=thread(softmax_threads), consumer_group=thread(1),
-                                                   defer_sync=True)
-        o_full = pipeline.PipelineUmmaAsync.create(barrier_storage=st.o_mbar.data_ptr(), num_stages=1,
-                                                   producer_group=thread(1), consumer_group=thread(softmax_threads),
-                                                   defer_sync=True)
+        # one-stage handoffs: softmax warps -> MMA warp (PipelineAsyncUmma) and back (PipelineUmmaAsync)
+        to_mma = lambda mbar: pipeline.PipelineAsyncUmma.create(   # noqa: E731
+            barrier_storage=mbar.data_ptr(), num_stages=1, producer_group=thread(softmax_threads),
+            consumer_group=thread(1), defer_sync=True)
+        from_mma = lambda mbar: pipeline.PipelineUmmaAsync.create(   # noqa: E731
+            barrier_storage=mbar.data_ptr(), num_stages=1, producer_group=thread(1),
+            consumer_group=thread(softmax_threads), defer_sync=True)
+        q_full, s_full, p_full, o_full = to_mma(st.q_mbar), from_mma(st.s_mbar), to_mma(st.p_mbar), from_mma(st.o_mbar)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 

@@ -100,7 +100,9 @@ def run_decode(name: str) -> bool:
 
 def main(argv) -> int:
     ops = argv or ["gdn", "kda", "decode"]
-    results = [run(op, name) for op in ops if op != "decode" for name in CASES]
+    results = [run(op, name) for op in ops if op in ("gdn", "kda") for name in CASES]
+    if "gdn-fused" in ops:   # SM100: the fused path's cases only (it has no two-phase path)
+        results += [run("gdn", name) for name in CASES if CASES[name][-1] == "fused"]
     if "decode" in ops:
         results += [run_decode(name) for name in DECODE_CASES]
     return 0 if all(results) else 1

@@ -120,3 +120,15 @@ def test_two_phase_cost_by_hand():
     links = 3 * (cal.merge_link_us["regs"] + cal.segment_us["gdn"]) + 2 * cal.launch_us
     want = phase1 + outputs + summaries + links
     assert cost.two_phase_us(cal, p, [4], False, False, 132, cal.merge_link_us["regs"]) == pytest.approx(want)
+
+
+def test_sm100_plans_the_fused_path_only():
+    """SM100 builds the fused kernel only: `auto` plans it (segmented where the SM90 costs say so), a pinned
+    two-phase path is refused by name."""
+    for kda, B, T, H in [(False, 1, 8192, 4), (False, 16, 4096, 64), (True, 1, 8192, 16)]:
+        p = plan_forward(kda, B, T, H, None, False, 148, "SM100", None, AUTO)
+        assert p.path(True) == p.path(False) == "fused" and p.two_phase_us is None
+    assert plan_forward(False, 1, 8192, 4, None, False, 148, "SM100", None,
+                        AUTO).fused_schedule.segmentation.total_segments > 1
+    with pytest.raises(ValueError, match="SM100 has the fused path only"):
+        plan_forward(False, 1, 8192, 4, None, False, 148, "SM100", None, PlanOptions("two_phase"))

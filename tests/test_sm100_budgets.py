@@ -44,3 +44,14 @@ def test_smem_budget():
         check_smem(decode + 9 * 1024, 2, "decode")
     with pytest.raises(ValueError, match="exceeds the 232448 B of a CTA"):
         check_smem(SMEM_PER_CTA + 1, 1, "big")
+
+
+def test_fused_tmem_plan():
+    """The fused GDN kernel's columns: S, the intra products, (k S, q S)^T, v_new^T, O: 448 of 512, one CTA per SM."""
+    from cute_kernels.kernels.sm100.budgets import fused_tmem_plan
+
+    plan = fused_tmem_plan()
+    assert plan.regions == (("s", 0, 128), ("a", 128, 64), ("kqs", 192, 128), ("vn", 320, 64), ("o", 384, 64))
+    assert (plan.alloc, plan.ctas_per_sm) == (512, 1)
+    with pytest.raises(ValueError, match="2 CTAs x 512 columns"):
+        tmem_plan(dict((name, width) for name, _, width in plan.regions), ctas_per_sm=2)

@@ -30,9 +30,15 @@ def build_fused(config: FusedConfig, io_dtype: torch.dtype, beta_dtype: torch.dt
     [N, H, 128, 128] fp32; a_log / dt_bias flat fp32 (1-element stand-ins unless config.gate reads them)."""
 
     def build():
-        _sm90("the fused forward")
+        if target_arch() == "sm_100a" and config.kda:
+            raise NotImplementedError("the fused KDA forward has an SM90 (wgmma) build only; the target arch is "
+                                      "sm_100a")
         cutlass = import_cutlass()
-        from .sm90.fused import ChunkedForwardSm90
+        if target_arch() == "sm_100a":
+            from .sm100.fused import ChunkedForwardSm100 as kernel_class
+        else:
+            _sm90("the fused forward")
+            from .sm90.fused import ChunkedForwardSm90 as kernel_class
         from schedulers.problem import NUM_TILE_FIELDS
 
         io, bt, f32 = cutlass_dtype(io_dtype), cutlass_dtype(beta_dtype), cutlass.Float32
@@ -51,7 +57,7 @@ def build_fused(config: FusedConfig, io_dtype: torch.dtype, beta_dtype: torch.dt
             f32(1.0),
             fake_stream(),
         )
-        return ChunkedForwardSm90(config, io, bt), args
+        return kernel_class(config, io, bt), args
 
     return compile_kernel(("fused", config, _name(io_dtype), _name(beta_dtype)), build, dump_dir=dump_dir)
 

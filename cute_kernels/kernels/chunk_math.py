@@ -239,7 +239,7 @@ class ChunkMath:
     @cute.jit
     def solve_blocked(self, ctid, sAkk, sY, sXv, sXk, sBeta, sEG, sRow=None):
         """X = (I + A)^-1 for strictly-lower A [64, 64] (fp32 smem), 256 threads, by recursive doubling; X's strict
-        lower part is written transposed into A's unused upper triangle. Writes Xv = X diag(beta) and (GDN)
+        lower part is written transposed into A's unused upper triangle. Writes Xv = X diag(beta) and (GDN, sXk given)
         Xk = X diag(beta 2^G), or with `sRow` diag(sRow) X diag(beta), in 16-bit.
         Spec (same steps, CPU-tested): cute_kernels/reference/blocked_solve.py."""
         io = self.io_dtype
@@ -283,7 +283,7 @@ class ChunkMath:
                 for e in cutlass.range_constexpr(8):
                     yk[e] = io(xb[e] * fr)
                 cute.autovec_copy(yk, cute.local_tile(sXk[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
-            elif cutlass.const_expr(not self.kda):
+            elif cutlass.const_expr(not self.kda and sXk is not None):
                 cute.autovec_copy(cute.local_tile(sEG, (8,), (cute.assume(i0, divby=8) // 8,)), fb)
                 for e in cutlass.range_constexpr(8):
                     yk[e] = io(xb[e] * fb[e])

@@ -155,6 +155,10 @@ def plan_forward(kda: bool, B: int, T: int, H: int, cu: tuple | None, init: bool
     merge = merge_impl_for(problem.num_seqs, H, 128, 128, sms, options.merge)
     link = cal.merge_link_us[merge]
     path = "fused" if options.path == "fused" or (options.path == "auto" and scheduler is not None) else options.path
+    if device_kind == "SM100":   # SM100 builds the fused kernel only (docs/design.md, "SM100")
+        if path == "two_phase":
+            raise ValueError("path='two_phase' (CUTE_KERNELS_PATH): SM100 has the fused path only")
+        path = "fused"
     fused, summary = (None, None)
     if path != "two_phase":
         fused, summary = fused_schedules(problem, kda, init, sms, link, scheduler, device_kind)

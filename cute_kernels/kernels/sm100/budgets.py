@@ -50,3 +50,9 @@ def check_smem(nbytes: int, ctas_per_sm: int, what: str) -> None:
     if ctas_per_sm * (nbytes + SMEM_RESERVED_PER_CTA) > SMEM_PER_SM:
         raise ValueError(f"{what}: {ctas_per_sm} CTAs x {nbytes} B (+{SMEM_RESERVED_PER_CTA} reserved each) exceed "
                          f"the {SMEM_PER_SM} B of an SM")
+
+
+def fused_tmem_plan() -> TmemPlan:
+    """`ChunkedForwardSm100`'s columns (one CTA per SM): S [dk lanes x dv] 128, A = [k; q] k^T 64, KQS = S^T [k; q]^T
+    (k S then q S, transposed) 128, VN = v_new^T 64, O = v_new^T Aqk^T 64: 448 used, 512 allocated."""
+    return tmem_plan({"s": 128, "a": 64, "kqs": 128, "vn": 64, "o": 64}, ctas_per_sm=1)

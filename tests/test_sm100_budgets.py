@@ -55,3 +55,17 @@ def test_fused_tmem_plan():
     assert (plan.alloc, plan.ctas_per_sm) == (512, 1)
     with pytest.raises(ValueError, match="2 CTAs x 512 columns"):
         tmem_plan(dict((name, width) for name, _, width in plan.regions), ctas_per_sm=2)
+
+
+def test_kda_plan_fits():
+    """The planned SM100 KDA kernel (docs/design.md): 416 of 512 TMEM columns and about 220 KB of shared memory,
+    one CTA per SM; a second q / k / v stage (48 KB more) would not fit."""
+    from cute_kernels.kernels.sm100.budgets import fused_kda_smem_bytes, fused_kda_tmem_plan
+
+    plan = fused_kda_tmem_plan()
+    assert plan.regions[-1] == ("kqs", 288, 128) and plan.alloc == 512
+    nbytes = fused_kda_smem_bytes()
+    assert 215 * 1024 <= nbytes <= SMEM_PER_CTA
+    check_smem(nbytes, 1, "KDA")
+    with pytest.raises(ValueError, match="exceeds"):
+        check_smem(nbytes + 48 * 1024, 1, "KDA, two stages")

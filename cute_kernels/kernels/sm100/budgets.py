@@ -56,3 +56,21 @@ def fused_tmem_plan() -> TmemPlan:
     """`ChunkedForwardSm100`'s columns (one CTA per SM): S [dk lanes x dv] 128, A = [k; q] k^T 64, KQS = S^T [k; q]^T
     (k S then q S, transposed) 128, VN = v_new^T 64, O = v_new^T Aqk^T 64: 448 used, 512 allocated."""
     return tmem_plan({"s": 128, "a": 64, "kqs": 128, "vn": 64, "o": 64}, ctas_per_sm=1)
+
+
+def fused_kda_tmem_plan() -> TmemPlan:
+    """The planned SM100 KDA kernel's columns (docs/design.md): S 128, the four intra bands A_delta (64 + 48 + 32
+    + 16 = 160; v_new^T and O reuse its first 128 once the bands are read), KQS 128: 416 used, 512 allocated."""
+    return tmem_plan({"s": 128, "a": 160, "kqs": 128}, ctas_per_sm=1)
+
+
+def fused_kda_smem_bytes() -> int:
+    """The planned SM100 KDA kernel's shared memory, one q / k / v stage: raw [k; q] and v; the left factors
+    [kl; ql], the gated [kg; qg] and kb; the four right bands (160 rows; Akk fp32, Aqk, Xv and the solve's buffer
+    reuse them once the bands are read); S in bf16; U / v_new^T; the gate scan's exchange (partial sums, block
+    anchors); beta, a flag and the barriers."""
+    tile = 64 * 128 * 2                                      # a 64-token x 128-channel 16-bit tile
+    bands = (64 + 48 + 32 + 16) * 128 * 2
+    reused = 64 * 68 * 4 + 64 * 64 * 2 * 2 + 32 * 40 * 4     # Akk (fp32, padded rows), Aqk, Xv, the solve's Y
+    assert reused <= bands
+    return 2 * tile + tile + 2 * tile + 2 * tile + tile + bands + 2 * tile + tile + (2 + 4) * 128 * 4 + 64 * 4 + 512

@@ -20,6 +20,7 @@ from ..configs import DecodeConfig
 from ..decode_fixup import box_row, is_last_split, masked_score, merge_unit, split_range, unit_rows
 from ..views import dth, flat, thd
 from .budgets import check_smem, tmem_plan
+from .tmem_copy import column_copies
 
 CHUNK = 64        # the plan's token unit: a work tile covers chunks [chunk_start, chunk_end)
 C = 32            # KV tokens per block: one ring stage (half the SM90 kernel's, twice the stages: Q, P and the ring
@@ -297,12 +298,7 @@ class SplitKVDecodeSm100:
                                       tS[0][(None, None), 0, 0])
         thr_ld_s = ld_s.get_slice(tidx)
         tO_chunks = cute.flat_divide(tO[(None, None), 0, 0], (M, O_CHUNK))   # (M, 32, 1, D / 32)
-        ld_o = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), Float32),
-                                      tO_chunks[None, None, 0, 0])
-        st_o = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), Float32),
-                                      tO_chunks[None, None, 0, 0])
-        thr_ld_o = ld_o.get_slice(tidx)
-        thr_st_o = st_o.get_slice(tidx)
+        ld_o, st_o, thr_ld_o, thr_st_o = column_copies(tO_chunks[None, None, 0, 0], tidx)
         s_vals = [cute.make_rmem_tensor(thr_ld_s.partition_D(tS[0][(None, None), 0, 0]).shape, Float32)
                   for _ in range(C // BOX)]
         o_vals = cute.make_rmem_tensor(thr_ld_o.partition_D(tO_chunks[None, None, 0, 0]).shape, Float32)

@@ -24,6 +24,7 @@ from ..chunk_math import AKK_STRIDE, SOLVE_Y_MMA, C, ChunkMath
 from ..configs import FusedConfig
 from ..views import flat, thd
 from .budgets import check_smem, fused_tmem_plan
+from .tmem_copy import column_copies
 
 D = 128                    # key and value head dimension
 HALF_D = 64                # one 128-byte swizzle atom of a 16-bit row
@@ -358,12 +359,7 @@ class ChunkedForwardSm100:
         # tcgen05.ld / st of 32 columns: this thread's lane, columns [32 b, 32 b + 32) of a region
         cols = lambda t: cute.flat_divide(t[(None, None), 0, 0], (128, COLS))   # noqa: E731   (128, 32, 1, n / 32)
         rA, rKQS, rVN, rO, rS = cols(tA), cols(tKQS), cols(tVN), cols(tO), cols(tS)
-        ld = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), Float32),
-                                    rS[None, None, 0, 0])
-        st_op = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), Float32),
-                                       rS[None, None, 0, 0])
-        thr_ld = ld.get_slice(lane)
-        thr_st = st_op.get_slice(lane)
+        ld, st_op, thr_ld, thr_st = column_copies(rS[None, None, 0, 0], lane)
         vals = cute.make_rmem_tensor(thr_ld.partition_D(rS[None, None, 0, 0]).shape, Float32)
         vals2 = cute.make_rmem_tensor(thr_ld.partition_D(rS[None, None, 0, 0]).shape, Float32)
         load_cols = lambda region, b, dst: cute.copy(ld, thr_ld.partition_S(region[None, None, 0, b]), dst)  # noqa

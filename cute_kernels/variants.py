@@ -1,7 +1,7 @@
 """Every compiled variant the ops run, for `python -m cute_kernels compile` and the compile tests. A variant is (op,
 name, build, PTX patterns that must appear): one config of a kernel with its dtypes. No GPU needed; `CUTE_DSL_ARCH`
 must be set before the first `import cutlass`. SM90 (wgmma) kernels build for sm_90a only, SM100 (tcgen05) ones for
-sm_100a only (the fused GDN forward, the decode, the tensor-core merge); the SIMT kernels for both.
+sm_100a only (the fused GDN and KDA forward, the decode, the tensor-core merge); the SIMT kernels for both.
 """
 
 from __future__ import annotations
@@ -102,11 +102,13 @@ def _variants() -> list[Variant]:
             need += ("ex2.approx",) if cfg.gate.g != "log" else ()
             need += ("st.shared.v4", "ld.shared.v4", "cp.async.ca.shared.global", "cp.async.wait_group") if kda else ()
             out.append(Variant(op, name, lambda d, c=cfg, io=io, b=beta: build_fused(c, io, b, dump_dir=d), need, SM90))
-            if not kda:   # the SM100 build of the same config: tcgen05 MMAs into TMEM, the solve on tf32 mma.sync
-                need = TCGEN05 + ("tcgen05.st", TMA_LOAD, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
-                                  ST_SHARED_16B) + (("ex2.approx",) if cfg.gate.g != "log" else ())
-                out.append(Variant(op, name, lambda d, c=cfg, io=io, b=beta: build_fused(c, io, b, dump_dir=d), need,
-                                   ("sm_100a",)))
+            # the SM100 build of the same config: tcgen05 MMAs into TMEM, the solve on tf32 mma.sync (KDA: the
+            # 16-column band reads)
+            need = TCGEN05 + ("tcgen05.st", TMA_LOAD, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
+                              ST_SHARED_16B) + (("ex2.approx",) if cfg.gate.g != "log" else ())
+            need += ("tcgen05.ld.sync.aligned.32x32b.x16",) if kda else ()
+            out.append(Variant(op, name, lambda d, c=cfg, io=io, b=beta: build_fused(c, io, b, dump_dir=d), need,
+                               ("sm_100a",)))
         # phase 1: the plain path's folded builds (GDN at 2 and 3 CTAs per SM), the overlapped path's builds
         preps = ([(PrepConfig(kda=True, terms="folded", ctas_per_sm=1), ("cp.async.bulk.tensor.3d.global.shared",)),
                   (PrepConfig(kda=True, terms="folded", ctas_per_sm=1, publish=True), PUBLISH)]

@@ -20,8 +20,8 @@
 #              (scripts/seed_cells.py; a fresh ./device_out/seed8_*.json per machine)
 #   fla8       the same cells with FLA (then seed8's comparison again, FLA beside; at least 300 s: Triton autotunes)
 #   paths      scripts/time_paths.py paths
-#   sm100      the first run on an SM100 machine: sm_100a builds, every GPU test, the sanitizers, the decode and GDN
-#              sweeps; on another GPU a dry run (builds, test collection, the sweeps' grids, the sanitizer's presence)
+#   sm100      the first run on an SM100 machine: sm_100a builds, every GPU test, the sanitizers, the decode, GDN and
+#              KDA sweeps; on another GPU a dry run (builds, test collection, the sweeps' grids, the sanitizer's presence)
 #   peers-OP-GRID  ours against FLA, FlashInfer and FlashQLA (CUDA graphs; FlashQLA in its own process when
 #              scripts/peer_install.sh flashqla ran): benchmarks/results' {op}_peers_<device>_<date>.json
 set -uo pipefail
@@ -138,7 +138,7 @@ print(len(r.grid('full')), 'decode-step cells;', len(d.grid('full')), 'decode ce
           python3 -m pytest tests/test_recurrent.py -q -p no:cacheprovider -m gpu -k "kernel_matches_spec and weak"
         # the decode kernel's fixup counts across CTAs; both kernels' pipelines hand TMEM / smem between warps
         for tool in memcheck racecheck synccheck; do
-          for ops in decode gdn-fused; do
+          for ops in decode gdn-fused kda-fused; do
             TAIL=20 run "sm100_${tool}_${ops}.log" $t "$sanitizer" --tool $tool --error-exitcode 99 \
               --target-processes all python3 scripts/sanitize_cases.py $ops
           done
@@ -147,6 +147,7 @@ print(len(r.grid('full')), 'decode-step cells;', len(d.grid('full')), 'decode ce
           TAIL=40 run "sm100_bench_$op.log" $t python3 -m benchmarks.sweep --op $op --grid full --out "$dest"
         done
         TAIL=40 run sm100_bench_gdn.log $t python3 -m benchmarks.sweep --op gdn --grid seed --graph --out "$dest"
+        TAIL=40 run sm100_bench_kda.log $t python3 -m benchmarks.sweep --op kda --grid seed --graph --out "$dest"
         TAIL=40 run sm100_bench_decode.log $t python3 -m benchmarks.sweep --op decode --grid quick --out "$dest"
       fi ;;
     bench-*)

@@ -135,6 +135,12 @@ CPU_MUTANTS = [
            "prep = PrepRun(prep_config(plan.kda, plan.prep_ctas_per_sm, group)",
            ("tests/test_ops_host.py@gate_arguments_reach",)),
     # -- SM100 budgets: the SM's TMEM is shared by its CTAs
+    Mutant("KDA bands overlap in TMEM", "SM100 KDA band columns (kernels.sm100.budgets.KDA_BAND_COLS)",
+           "cute_kernels/kernels/sm100/budgets.py", "KDA_BAND_COLS = (0, 64, 128, 160)",
+           "KDA_BAND_COLS = (0, 48, 128, 160)", ("tests/test_sm100_fused_model.py@thread_mappings",)),
+    Mutant("KDA band rows overlap in shared memory", "SM100 KDA band rows (kernels.sm100.budgets.KDA_BAND_ROWS)",
+           "cute_kernels/kernels/sm100/budgets.py", "KDA_BAND_ROWS = (0, 64, 112, 144)",
+           "KDA_BAND_ROWS = (0, 64, 112, 140)", ("tests/test_sm100_fused_model.py@thread_mappings",)),
     Mutant("TMEM budget checked for one CTA, not ctas_per_sm", "SM100 budgets (kernels.sm100.budgets.tmem_plan)",
            "cute_kernels/kernels/sm100/budgets.py", "if alloc * ctas_per_sm > TMEM_COLUMNS:",
            "if alloc > TMEM_COLUMNS:", ("tests/test_sm100_budgets.py",)),

@@ -1,12 +1,13 @@
 """Small calls of every default path, for compute-sanitizer (memcheck, racecheck, synccheck):
 
-    compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py [gdn|kda|decode ...]
+    compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py [gdn|kda|decode|gdn-fused|kda-fused ...]
 
 Cases (GDN and KDA, weak gates, bf16): fused; fused with segments (summary launch, affine merge, outputs); two-phase;
 two-phase with a segmented state pass and its merge; the overlapped path with its flags; varlen on both paths. Each
 output is checked against the float64 reference (loose: the point is the sanitizer's report), so a case that
 runs but computes garbage fails too. `decode`: split-KV decode attention with its in-kernel fixup (the cross-CTA
-counters), contiguous and paged, both schedulers. Exits 1 if any case fails.
+counters), contiguous and paged, both schedulers. `gdn-fused` / `kda-fused` (SM100): the fused cases only. Exits
+1 if any case fails.
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def run_decode(name: str) -> bool:
 def main(argv) -> int:
     ops = argv or ["gdn", "kda", "decode"]
     results = [run(op, name) for op in ops if op in ("gdn", "kda") for name in CASES]
-    if "gdn-fused" in ops:   # SM100: the fused path's cases only (it has no two-phase path)
-        results += [run("gdn", name) for name in CASES if CASES[name][-1] == "fused"]
+    for op in ("gdn", "kda"):   # SM100: the fused path's cases only (it has no two-phase path)
+        if f"{op}-fused" in ops:
+            results += [run(op, name) for name in CASES if CASES[name][-1] == "fused"]
     if "decode" in ops:
         results += [run_decode(name) for name in DECODE_CASES]
     return 0 if all(results) else 1

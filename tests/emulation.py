@@ -208,7 +208,6 @@ def emulate(monkeypatch, sms: int = 132) -> Builds:
     monkeypatch.setattr(two_phase, "build_state_pass", fake(StatePassEmulator))
     monkeypatch.setattr(la, "build_qk_l2norm", lambda io, dump_dir=None: L2NormEmulator())
     monkeypatch.setattr(la, "check_cuda", lambda **kw: torch.device("cpu"))
-    monkeypatch.setattr(la, "device_arch", lambda device=None: "sm_90a")
     monkeypatch.setattr(la, "sm_count", lambda device: sms)
     monkeypatch.setattr(la, "device_kind", lambda device: "H200")
     monkeypatch.setattr(two_phase, "check_cuda", lambda **kw: torch.device("cpu"), raising=False)

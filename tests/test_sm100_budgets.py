@@ -58,12 +58,16 @@ def test_fused_tmem_plan():
 
 
 def test_kda_plan_fits():
-    """The planned SM100 KDA kernel (docs/design.md): 416 of 512 TMEM columns and about 220 KB of shared memory,
-    one CTA per SM; a second q / k / v stage (48 KB more) would not fit."""
-    from cute_kernels.kernels.sm100.budgets import fused_kda_smem_bytes, fused_kda_tmem_plan
+    """`ChunkedForwardSm100`'s KDA budgets: 432 of 512 TMEM columns, the four bands inside region "a" at
+    32-aligned columns with v_new^T and O (64 each) over its first 128; about 220 KB of shared memory, one CTA
+    per SM; a second q / k / v stage (48 KB more) would not fit."""
+    from cute_kernels.kernels.sm100.budgets import KDA_BAND_COLS, fused_kda_smem_bytes, fused_kda_tmem_plan
 
     plan = fused_kda_tmem_plan()
-    assert plan.regions[-1] == ("kqs", 288, 128) and plan.alloc == 512
+    assert plan.regions == (("s", 0, 128), ("a", 128, 176), ("kqs", 304, 128)) and plan.alloc == 512
+    bands = (64, 48, 32, 16)
+    assert all(first % 32 == 0 and first + n <= 176 for first, n in zip(KDA_BAND_COLS, bands))
+    assert all(KDA_BAND_COLS[i] + bands[i] <= KDA_BAND_COLS[i + 1] for i in range(3)) and 2 * 64 <= 176
     nbytes = fused_kda_smem_bytes()
     assert 215 * 1024 <= nbytes <= SMEM_PER_CTA
     check_smem(nbytes, 1, "KDA")

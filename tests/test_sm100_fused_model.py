@@ -161,3 +161,55 @@ def test_sm100_kda_steps_match_the_chunked_spec(T, regime):
     assert (exact > 0) == (regime == "extreme"), exact
     torch.testing.assert_close(o, o_ref[0, :, 0], rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(S, s_ref[0, 0], rtol=1e-9, atol=1e-9)
+
+
+def test_sm100_kda_thread_mappings_rebuild_the_intra_products():
+    """The KDA kernel's index work, thread by thread, in float64: `kda_tiles` (thread (channel d, warpgroup j) writes
+    rows [32 j, 32 j + 32) of its channel; band delta only for rows whose block + delta <= 3, its anchor picked as
+    anchor[m0] (j = 0) or anchor[m0 + 2] (j = 1)), the band products into TMEM columns `KDA_BAND_COLS`, and
+    `kda_band_cols` (lane l, warpgroup j: column block qb = 2 j + b reads every band delta with qb + delta <= 3 and
+    keeps pb == qb + delta). Every block on or below the diagonal must come out as x_r k_i 2^(G_r - G_i)."""
+    from cute_kernels.kernels.sm100.budgets import KDA_BAND_COLS, KDA_BAND_ROWS, KDA_BANDS, fused_kda_tmem_plan
+
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(C, 128, generator=gen, dtype=torch.float64)
+    q = torch.randn(C, 128, generator=gen, dtype=torch.float64)
+    G = torch.cumsum(-0.3 * torch.rand(C, 128, generator=gen, dtype=torch.float64), 0)
+    raw = torch.cat([k, q])
+    left = torch.zeros(2 * C, 128, dtype=torch.float64)
+    bands = torch.full((sum(KDA_BANDS), 128), float("nan"), dtype=torch.float64)   # unwritten rows stay NaN
+    for d in range(128):
+        anchor = [G[16 * m, d] for m in range(4)]
+        for j in range(2):
+            for rr in range(32):
+                r = 32 * j + rr
+                e = 2.0 ** (G[r, d] - G[32 * j + 16 * (rr // 16), d])
+                left[r, d], left[C + r, d] = k[r, d] * e, q[r, d] * e
+                for delta in range(4):
+                    m0 = rr // 16 + delta
+                    if (j == 0 and m0 <= 3) or (j == 1 and m0 + 2 <= 3):
+                        a_m = anchor[m0] if j == 0 else anchor[m0 + 2]
+                        bands[KDA_BAND_ROWS[delta] + r, d] = k[r, d] * 2.0 ** (a_m - G[r, d])
+    assert not bands.isnan().any(), "a band row left unwritten"
+    width = dict((n, w) for n, _, w in fused_kda_tmem_plan().regions)["a"]
+    tmem = torch.full((128, width), float("nan"), dtype=torch.float64)
+    for delta, n in enumerate(KDA_BANDS):
+        rows = bands[KDA_BAND_ROWS[delta]:KDA_BAND_ROWS[delta] + n]
+        tmem[:, KDA_BAND_COLS[delta]:KDA_BAND_COLS[delta] + n] = left @ rows.T
+    A = torch.zeros(2 * C, C, dtype=torch.float64)
+    for lane in range(128):
+        pb = (lane % C) // 16
+        for j in range(2):
+            for b in range(2):
+                qb = 2 * j + b
+                for delta in range(4):
+                    if qb + delta <= 3 and pb == qb + delta:
+                        cols = KDA_BAND_COLS[delta] + 16 * qb
+                        A[lane, 16 * qb:16 * qb + 16] = tmem[lane, cols:cols + 16]
+    r_ = torch.arange(C)[:, None]
+    c_ = torch.arange(C)[None, :]
+    lower = (c_ // 16) <= (r_ // 16)
+    decay = 2.0 ** (G[:, None, :] - G[None, :, :])                        # [r, i, d]
+    want = torch.cat([(raw[:C, None, :] * k[None] * decay).sum(-1), (raw[C:, None, :] * k[None] * decay).sum(-1)])
+    torch.testing.assert_close(torch.where(lower.repeat(2, 1), A, 0.0), torch.where(lower.repeat(2, 1), want, 0.0),
+                               rtol=1e-12, atol=1e-12)

@@ -30,9 +30,6 @@ def build_fused(config: FusedConfig, io_dtype: torch.dtype, beta_dtype: torch.dt
     [N, H, 128, 128] fp32; a_log / dt_bias flat fp32 (1-element stand-ins unless config.gate reads them)."""
 
     def build():
-        if target_arch() == "sm_100a" and config.kda:
-            raise NotImplementedError("the fused KDA forward has an SM90 (wgmma) build only; the target arch is "
-                                      "sm_100a")
         cutlass = import_cutlass()
         if target_arch() == "sm_100a":
             from .sm100.fused import ChunkedForwardSm100 as kernel_class

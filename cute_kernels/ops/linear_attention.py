@@ -18,7 +18,7 @@ from ..paths import plain_gate
 from ..paths.fused import DeviceTableRun, FusedRun
 from ..paths.two_phase import OverlapRun, PrepRun, StateRun, overlap_free, prep_config
 from ..plan import ForwardPlan, PlanOptions, plan_forward
-from ..runtime.arch import device_arch, device_kind, sm_count
+from ..runtime.arch import device_kind, sm_count
 from . import last
 from .state_pool import check_pool, gather_states, scatter_states
 
@@ -254,9 +254,6 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if graph_varlen and scheduler is not None:
         raise ValueError("use_graph=True plans on the device: scheduler= cannot pin a split there")
     device = q.device
-    if kda and device_arch(device) != "sm_90a":   # (device_arch raises for archs other than sm_90a / sm_100a)
-        raise NotImplementedError(f"{name} runs on SM90 (Hopper) only for now, got {device_arch(device)}: the SM100 "
-                                  "forward is GDN's")
     if use_qk_l2norm_in_kernel:
         q, k = normalized_qk(q, k)
     scale = float(scale) if scale is not None else K ** -0.5

@@ -58,17 +58,24 @@ def fused_tmem_plan() -> TmemPlan:
     return tmem_plan({"s": 128, "a": 64, "kqs": 128, "vn": 64, "o": 64}, ctas_per_sm=1)
 
 
+KDA_BANDS = (64, 48, 32, 16)        # KDA: tokens (rows of the right factors, columns of A) of band delta = 0..3
+KDA_BAND_ROWS = (0, 64, 112, 144)   # each band's first row in the kernel's 160-row shared-memory tile
+KDA_BAND_COLS = (0, 64, 128, 160)   # each band's first TMEM column in region "a"
+
+
 def fused_kda_tmem_plan() -> TmemPlan:
-    """The planned SM100 KDA kernel's columns (docs/design.md): S 128, the four intra bands A_delta (64 + 48 + 32
-    + 16 = 160; v_new^T and O reuse its first 128 once the bands are read), KQS 128: 416 used, 512 allocated."""
-    return tmem_plan({"s": 128, "a": 160, "kqs": 128}, ctas_per_sm=1)
+    """`ChunkedForwardSm100`'s KDA columns: S 128; the four intra bands A_delta (N = 64, 48, 32, 16) at columns
+    a + `KDA_BAND_COLS` (176: band 1 padded to 64 so that every band starts at a multiple of 32; v_new^T and O
+    reuse a + 0 and a + 64 once the bands are read); KQS 128: 432 used, 512 allocated."""
+    return tmem_plan({"s": 128, "a": 176, "kqs": 128}, ctas_per_sm=1)
 
 
 def fused_kda_smem_bytes() -> int:
-    """The planned SM100 KDA kernel's shared memory, one q / k / v stage: raw [k; q] and v; the left factors
-    [kl; ql], the gated [kg; qg] and kb; the four right bands (160 rows; Akk fp32, Aqk, Xv and the solve's buffer
-    reuse them once the bands are read); S in bf16; U / v_new^T; the gate scan's exchange (partial sums, block
-    anchors); beta, a flag and the barriers."""
+    """`ChunkedForwardSm100`'s KDA shared memory (its struct's fields, before alignment; the struct is 222 KB), one
+    q / k / v stage: raw [k; q] and v; the left factors [kl; ql] (the gate values G in fp32 once they are read),
+    the gated [kg; qg] and kb; the four right bands (160 rows; Akk fp32, Aqk, Xv and the solve's buffer reuse them
+    once the bands are read); S in bf16; U / v_new^T; the gate scan's exchange (rows 0-31's totals, block
+    anchors, G_L); beta, a flag and the barriers."""
     tile = 64 * 128 * 2                                      # a 64-token x 128-channel 16-bit tile
     bands = (64 + 48 + 32 + 16) * 128 * 2
     reused = 64 * 68 * 4 + 64 * 64 * 2 * 2 + 32 * 40 * 4     # Akk (fp32, padded rows), Aqk, Xv, the solve's Y

@@ -1,4 +1,4 @@
-"""Command line: `python -m cute_kernels compile --arch sm_90a|sm_100a [--op NAME] --out DIR`.
+"""Command line: `python -m cute_kernels compile --arch sm_90a|sm_100a|sm_103a [--op NAME] --out DIR`.
 
 Compiles every kernel variant for the named arch without a GPU, writes `<variant>.<arch>.ptx` and
 `.cubin` to DIR, checks the PTX for the instructions each variant must contain, and prints a table.
@@ -12,6 +12,8 @@ import shutil
 import sys
 import tempfile
 import time
+
+from .runtime.arch import SM100_ARCHS, SUPPORTED_ARCHS
 
 
 def cmd_compile(args) -> int:
@@ -52,8 +54,8 @@ def cmd_compile(args) -> int:
             reg_text = "/".join(str(r) for r in regs.values()) or "?"
             usage = cubin_resource_usage(cubin_out)
             spill = "?" if usage is None else f"{usage.get('STACK', 0)}/{usage.get('LOCAL', 0)}"
-            # sm_100a builds must not spill (stack / local bytes 0); sm_90a reports it
-            spills = args.arch == "sm_100a" and usage is not None and (usage.get("STACK", 0) or usage.get("LOCAL", 0))
+            # SM100 builds must not spill (stack / local bytes 0); sm_90a reports it
+            spills = args.arch in SM100_ARCHS and usage is not None and (usage.get("STACK", 0) or usage.get("LOCAL", 0))
             status = (f"ok ({secs:.1f}s)" if not missing and not spills else
                       f"MISSING {missing}" if missing else f"SPILLS (stack/local bytes {spill})")
             failures += bool(missing) or bool(spills)
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cute_kernels")
     sub = parser.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compile", help="compile every kernel variant for an arch (no GPU needed)")
-    c.add_argument("--arch", required=True, choices=["sm_90a", "sm_100a"])
+    c.add_argument("--arch", required=True, choices=list(SUPPORTED_ARCHS))
     c.add_argument("--op", default=None, help="only this op (e.g. affine_merge, lse_merge)")
     c.add_argument("--out", required=True, help="directory for the .ptx and .cubin files")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """Every compiled variant the ops run, for `python -m cute_kernels compile` and the compile tests. A variant is (op,
 name, build, PTX patterns that must appear): one config of a kernel with its dtypes. No GPU needed; `CUTE_DSL_ARCH`
 must be set before the first `import cutlass`. SM90 (wgmma) kernels build for sm_90a only, SM100 (tcgen05) ones for
-sm_100a only (the fused GDN and KDA forward, the decode, the tensor-core merge); the SIMT kernels for both.
+sm_100a and sm_103a (the fused GDN and KDA forward, the decode, the tensor-core merge); the SIMT kernels for all.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 SM90 = ("sm_90a",)
-ANY = ("sm_90a", "sm_100a")
+SM100 = ("sm_100a", "sm_103a")
+ANY = SM90 + SM100
 WGMMA, TMA_LOAD, REGS_UP = "wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc"
 TCGEN05 = ("tcgen05.mma", "tcgen05.alloc", "tcgen05.ld", "tcgen05.commit", "tcgen05.dealloc")
 PUBLISH = ("fence.acq_rel.gpu", "atom.global.release.add")   # phase 1 publishing a chunk: release fence, add
@@ -76,7 +77,7 @@ def _variants() -> list[Variant]:
                            SM90 if impl == "tc" else ANY))
         if impl == "tc":   # the SM100 build of the same config: tcgen05 MMAs into TMEM
             out.append(Variant("affine_merge", name, lambda d, cfg=cfg: build_affine_merge(cfg, dump_dir=d),
-                               TCGEN05 + (("griddepcontrol.wait",) if pdl else ()), ("sm_100a",)))
+                               TCGEN05 + (("griddepcontrol.wait",) if pdl else ()), SM100))
     for dim, dt in [(128, bf), (128, f16), (128, f32), (64, bf)]:
         out.append(Variant("lse_merge", f"lse_merge_d{dim}_{_dtype_tag(dt)}",
                            lambda d, dim=dim, dt=dt: build_lse_merge(dim, dt, dump_dir=d),
@@ -108,7 +109,7 @@ def _variants() -> list[Variant]:
                               ST_SHARED_16B) + (("ex2.approx",) if cfg.gate.g != "log" else ())
             need += ("tcgen05.ld.sync.aligned.32x32b.x16",) if kda else ()
             out.append(Variant(op, name, lambda d, c=cfg, io=io, b=beta: build_fused(c, io, b, dump_dir=d), need,
-                               ("sm_100a",)))
+                               SM100))
         # phase 1: the plain path's folded builds (GDN at 2 and 3 CTAs per SM), the overlapped path's builds
         preps = ([(PrepConfig(kda=True, terms="folded", ctas_per_sm=1), ("cp.async.bulk.tensor.3d.global.shared",)),
                   (PrepConfig(kda=True, terms="folded", ctas_per_sm=1, publish=True), PUBLISH)]
@@ -165,7 +166,7 @@ def _variants() -> list[Variant]:
         # the SM100 build of the same config: tcgen05 MMAs into TMEM, TMA boxes, tcgen05.st for O's correction
         need = TCGEN05 + ("tcgen05.st", TMA_LOAD, "ex2.approx") + fixup + (("tanh.approx",) if cfg.softcap else ())
         out.append(Variant("decode_attention", name, lambda d, c=cfg, io=io: build_decode(c, io, dump_dir=d), need,
-                           ("sm_100a",)))
+                           SM100))
     for group, io in [(8, bf), (1, f16)]:
         out.append(Variant("decode_attention", f"decode_fixup_g{group}_{_dtype_tag(io)}",
                            lambda d, g=group, io=io: build_decode_fixup(g, io, dump_dir=d), ("ex2.approx", LD_GLOBAL_16B),

@@ -20,7 +20,7 @@
 #              (scripts/seed_cells.py; a fresh ./device_out/seed8_*.json per machine)
 #   fla8       the same cells with FLA (then seed8's comparison again, FLA beside; at least 300 s: Triton autotunes)
 #   paths      scripts/time_paths.py paths
-#   sm100      the first run on an SM100 machine: sm_100a builds, every GPU test, the sanitizers, the decode, GDN and
+#   sm100      the first run on an SM100 machine: sm_100a (or sm_103a) builds, every GPU test, the sanitizers, the decode, GDN and
 #              KDA sweeps; on another GPU a dry run (builds, test collection, the sweeps' grids, the sanitizer's presence)
 #   peers-OP-GRID  ours against FLA, FlashInfer and FlashQLA (CUDA graphs; FlashQLA in its own process when
 #              scripts/peer_install.sh flashqla ran): benchmarks/results' {op}_peers_<device>_<date>.json
@@ -123,8 +123,9 @@ for stage in $stages; do
     sm100)   # the first run on an SM100 machine; on any other GPU a dry run that checks its own steps
       cap=$(python3 -c "import torch; print('%d%d' % torch.cuda.get_device_capability())" 2>/dev/null)
       dry=$([ "${cap:0:2}" = "10" ] && echo 0 || echo 1)
-      echo "sm100: compute capability ${cap:-none}, dry run: $dry"
-      TAIL=30 run sm100_compile.log $t python3 -m cute_kernels compile --arch sm_100a --out /tmp/ck100
+      arch=$([ "$cap" = "103" ] && echo sm_103a || echo sm_100a)
+      echo "sm100: compute capability ${cap:-none}, arch $arch, dry run: $dry"
+      TAIL=30 run sm100_compile.log $t python3 -m cute_kernels compile --arch $arch --out /tmp/ck100
       if [ "$dry" = 1 ]; then
         # the steps that need SM100, checked without running: the tests collect, the sweeps parse their grids
         TAIL=5 run sm100_collect.log $t python3 -m pytest tests -q -p no:cacheprovider --collect-only -m gpu

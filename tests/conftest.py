@@ -26,11 +26,11 @@ def gpu_arch():
     if not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability()
-    return {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_100a"}.get((major, minor))
+    return {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}.get((major, minor))
 
 
-# GPU tests carry the `gpu` mark (arch=...: one arch only); pytest_runtest_setup skips them where the GPU is
-# missing, or fails them with --require-gpu.
+# GPU tests carry the `gpu` mark (arch=...: one arch, "sm_100a" standing for the SM100 family, sm_103a too);
+# pytest_runtest_setup skips them where the GPU is missing, or fails them with --require-gpu.
 requires_gpu = pytest.mark.gpu
 requires_sm90 = pytest.mark.gpu(arch="sm_90a")
 
@@ -38,9 +38,10 @@ requires_sm90 = pytest.mark.gpu(arch="sm_90a")
 def pytest_runtest_setup(item):
     for mark in item.iter_markers("gpu"):
         want, have = mark.kwargs.get("arch"), gpu_arch()
-        if have is None or (want is not None and have != want):
-            reason = f"needs {'an SM90 (Hopper)' if want == 'sm_90a' else 'an SM90 or SM100'} CUDA GPU, found " \
-                     f"{have or 'none'}"
+        family = "sm_100a" if have == "sm_103a" else have
+        if have is None or (want is not None and family != want):
+            kind = {"sm_90a": "an SM90 (Hopper)", "sm_100a": "an SM100 (Blackwell)"}.get(want, "an SM90 or SM100")
+            reason = f"needs {kind} CUDA GPU, found {have or 'none'}"
             if _require_gpu:
                 pytest.fail(f"{reason} (--require-gpu)", pytrace=False)
             pytest.skip(reason)

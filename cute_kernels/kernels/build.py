@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.arch import import_cutlass, target_arch
+from ..runtime.arch import SM100_ARCHS, import_cutlass, target_arch
 from ..runtime.compile import DYN, Compiled, compile_kernel, cutlass_dtype, fake_stream, fake_tensor
 from .configs import DecodeConfig, FusedConfig, MergeConfig, PrepConfig, RecurrentConfig, StateConfig
 
@@ -31,7 +31,7 @@ def build_fused(config: FusedConfig, io_dtype: torch.dtype, beta_dtype: torch.dt
 
     def build():
         cutlass = import_cutlass()
-        if target_arch() == "sm_100a":
+        if target_arch() in SM100_ARCHS:
             from .sm100.fused import ChunkedForwardSm100 as kernel_class
         else:
             _sm90("the fused forward")
@@ -146,7 +146,7 @@ def build_affine_merge(config: MergeConfig, dump_dir=None) -> Compiled:
             fake_tensor(f32, (DYN, DYN, k, v)),
             fake_stream(),
         )
-        if config.impl == "tc" and target_arch() == "sm_100a":
+        if config.impl == "tc" and target_arch() in SM100_ARCHS:
             from .sm100.affine_merge_tc import AffineMergeTcSm100
 
             return AffineMergeTcSm100(config, cutlass.BFloat16), args
@@ -185,7 +185,7 @@ def build_lse_merge(head_dim: int, out_dtype: torch.dtype, dump_dir=None) -> Com
 
 
 def build_decode(config: DecodeConfig, io_dtype: torch.dtype, dump_dir=None) -> Compiled:
-    """Split-KV decode attention (wgmma on sm_90a, tcgen05 on sm_100a). Its function takes (q, k_cache, v_cache,
+    """Split-KV decode attention (wgmma on sm_90a, tcgen05 on sm_100a / sm_103a). Its function takes (q, k_cache, v_cache,
     cache_seqlens, page_table, o, lse, o_part, lse_part, counters, tiles, num_tiles, grid, scale, softcap): q / o
     [B, Sq, Hq, D], caches 4-D, lse [B, Sq, Hq] fp32, partials [slots, 64, D] / [slots, 64] fp32, counters [units]
     int32."""
@@ -194,7 +194,7 @@ def build_decode(config: DecodeConfig, io_dtype: torch.dtype, dump_dir=None) -> 
         cutlass = import_cutlass()
         from schedulers.problem import NUM_TILE_FIELDS
 
-        if target_arch() == "sm_100a":
+        if target_arch() in SM100_ARCHS:
             from .sm100.decode import SplitKVDecodeSm100 as kernel_class
         else:
             from .sm90.decode import SplitKVDecodeSm90 as kernel_class

@@ -8,7 +8,7 @@ from ..checks import check_cuda, check_no_grad, check_shape, check_tensor, offse
 from ..kernels.build import build_affine_merge, build_lse_merge
 from ..kernels.configs import MergeConfig
 from ..plan import merge_impl_for
-from ..runtime.arch import device_arch, sm_count
+from ..runtime.arch import SM100_ARCHS, device_arch, sm_count
 
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -52,7 +52,7 @@ def affine_merge(M, h_ext, seg_offsets, initial_state=None, *, out=None, starts_
     offsets, N = offsets_tensor("seg_offsets", seg_offsets, slots, device)
     forced = impl
     impl = merge_impl_for(N, H, K, V, sm_count(device), impl)
-    if impl == "tc" and forced is None and device_arch(device) == "sm_100a":
+    if impl == "tc" and forced is None and device_arch(device) in SM100_ARCHS:
         impl = "staged"   # the SM100 tensor-core build has not run on hardware yet: only when asked for by name
     if initial_state is not None:
         check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4)

@@ -1,13 +1,14 @@
 """Which GPU architecture we compile for, and importing CuTe DSL with it set: CuTe DSL reads `CUTE_DSL_ARCH` when
 `cutlass` is first imported. On a GPU machine we set it from the device's compute capability; on a CPU-only machine
-the caller sets it (`sm_90a` or `sm_100a`). Nothing here launches work on a GPU.
+the caller sets it (`sm_90a`, `sm_100a` or `sm_103a`). Nothing here launches work on a GPU.
 """
 
 from __future__ import annotations
 
 import os
 
-SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
+SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+SM100_ARCHS = ("sm_100a", "sm_103a")   # B200 / GB200 and B300 / GB300: the same tcgen05 kernels, built per arch
 
 
 class UnsupportedDeviceError(RuntimeError):
@@ -17,8 +18,10 @@ class UnsupportedDeviceError(RuntimeError):
 def arch_of_capability(major: int, minor: int) -> str | None:
     if (major, minor) == (9, 0):
         return "sm_90a"
-    if major == 10 and minor in (0, 3):
+    if (major, minor) == (10, 0):
         return "sm_100a"
+    if (major, minor) == (10, 3):   # an sm_100a cubin does not load here: the "a" features are per arch
+        return "sm_103a"
     return None
 
 
@@ -47,7 +50,8 @@ def _query_device_arch(device) -> str:
     arch = arch_of_capability(major, minor)
     if arch is None:
         raise UnsupportedDeviceError(
-            f"GPU {torch.cuda.get_device_name(device)} is sm_{major}{minor}: cute_kernels supports sm_90a and sm_100a"
+            f"GPU {torch.cuda.get_device_name(device)} is sm_{major}{minor}: cute_kernels supports "
+            f"{', '.join(SUPPORTED_ARCHS)}"
         )
     return arch
 
@@ -95,5 +99,5 @@ def device_kind(device) -> str:
     if idx not in _kinds:
         name = torch.cuda.get_device_name(idx)
         _kinds[idx] = ("H200" if "H200" in name else "H100" if "H100" in name
-                       else "SM100" if device_arch(device) == "sm_100a" else "H200")
+                       else "SM100" if device_arch(device) in SM100_ARCHS else "H200")
     return _kinds[idx]

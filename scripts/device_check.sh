@@ -22,6 +22,8 @@
 #   paths      scripts/time_paths.py paths
 #   sm100      the first run on an SM100 machine: sm_100a (or sm_103a) builds, every GPU test, the sanitizers, the decode, GDN and
 #              KDA sweeps; on another GPU a dry run (builds, test collection, the sweeps' grids, the sanitizer's presence)
+#   profile-CASE  one kernel under ncu's source counters, warp stalls per line of its Python (scripts/profile_lines.py:
+#              gdn-fused, kda-fused, gdn-two-phase, gdn-step, kda-step, decode)
 #   peers-OP-GRID  ours against FLA, FlashInfer and FlashQLA (CUDA graphs; FlashQLA in its own process when
 #              scripts/peer_install.sh flashqla ran): benchmarks/results' {op}_peers_<device>_<date>.json
 set -uo pipefail
@@ -151,6 +153,17 @@ print(len(r.grid('full')), 'decode-step cells;', len(d.grid('full')), 'decode ce
         TAIL=40 run sm100_bench_kda.log $t python3 -m benchmarks.sweep --op kda --grid seed --graph --out "$dest"
         TAIL=40 run sm100_bench_decode.log $t python3 -m benchmarks.sweep --op decode --grid quick --out "$dest"
       fi ;;
+    profile-*)   # one kernel's warp-stall samples per source line (scripts/profile_lines.py; ncu, line info)
+      case=${stage#profile-}
+      regex=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import profile_lines as p; print(p.CASES['$case'][0])")
+      # (built with line info: not from .aot, whose builds have none)
+      lineinfo="env -u CUTE_KERNELS_AOT_DIR -u CUTE_KERNELS_AOT_WRITE CUTE_DSL_LINEINFO=1"
+      $lineinfo python3 scripts/profile_lines.py run "$case" > "$out/profile_${case}_warm.log" 2>&1
+      TAIL=5 run "profile_$case.log" $t $lineinfo ncu --clock-control none --section SourceCounters \
+        --section WarpStateStats --section SpeedOfLight --import-source yes -k "$regex" -c 1 -f -o "/tmp/prof_$case" \
+        python3 scripts/profile_lines.py run "$case"
+      TAIL=60 run "profile_${case}_lines.log" 120 python3 scripts/profile_lines.py report "/tmp/prof_$case.ncu-rep"
+      TAIL=60 run "profile_${case}_details.log" 120 ncu --import "/tmp/prof_$case.ncu-rep" --page details ;;
     bench-*)
       spec=${stage#bench-}; op=${spec%%-*}; grid=${spec#*-}
       TAIL=40 run "bench_${op}_${grid}.log" $t python3 -m benchmarks.sweep --op "$op" --grid "$grid" --out "$dest" ${BENCH_ARGS:-} ;;

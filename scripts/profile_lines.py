@@ -1,0 +1,105 @@
+"""Where one kernel spends its time, line by line: an op call under Nsight Compute's source counters, its warp-stall
+samples summed per line of the kernel's Python (CuTe DSL compiled with CUTE_DSL_LINEINFO=1).
+
+    python3 scripts/profile_lines.py run CASE                 # the call ncu profiles (run twice: compile, then time)
+    python3 scripts/profile_lines.py report REPORT.ncu-rep    # per-line table of the report's first kernel
+    bash scripts/device_check.sh profile-CASE                 # both, with ncu's flags (the GPU machine)
+
+Cases: gdn-fused / kda-fused (the fused forward at B=8 H=32 T=4096: one CTA per sequence and head, a full wave),
+gdn-two-phase (phase 1), gdn-step / kda-step (the decode step, B=256 HV=32 Sq=8) and
+decode (split-KV attention, B=4 Hq=32 Hkv=8, 8K tokens). `CASES[name][0]` is the regex of the kernel to profile.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+# name: (kernel name regex for ncu -k, what to call)
+CASES = {
+    "gdn-fused": ("regex:ChunkedForward", ("forward", False, "fused")),
+    "kda-fused": ("regex:ChunkedForward", ("forward", True, "fused")),
+    "gdn-two-phase": ("regex:ChunkPrep", ("forward", False, "two_phase")),
+    "gdn-step": ("regex:RecurrentStep", ("step", False, None)),
+    "kda-step": ("regex:RecurrentStep", ("step", True, None)),
+    "decode": ("regex:SplitKVDecode", ("decode", False, None)),
+}
+
+
+def run(name: str) -> None:
+    import torch
+    from inputs import initial_state, make_inputs
+
+    _, (what, kda, path) = CASES[name]
+    gen = torch.Generator().manual_seed(0)
+    if what == "forward":
+        from cute_kernels.ops import linear_attention as la
+        from cute_kernels.plan import PlanOptions
+
+        B, H, T = 8, 32, 4096
+        q, k, v, g, beta = make_inputs(B, T, H, gen, "cuda", kda=kda, regime="weak")
+        s0 = initial_state(B, H, gen, "cuda")
+        la.forward(q, k, v, g, beta, None, s0, True, None, False, None, None, kda=kda, options=PlanOptions(path))
+    elif what == "step":
+        import cute_kernels as ck
+
+        B, HV, Sq = 256, 32, 8
+        q, k = (torch.nn.functional.normalize(torch.randn(B, Sq, HV, 128, device="cuda"), dim=-1).bfloat16()
+                for _ in range(2))
+        v = torch.randn(B, Sq, HV, 128, device="cuda").bfloat16()
+        g = -0.05 * torch.rand((B, Sq, HV, 128) if kda else (B, Sq, HV), device="cuda")
+        beta = torch.rand(B, Sq, HV, device="cuda").bfloat16()
+        s0 = torch.randn(B, HV, 128, 128, device="cuda")
+        step = ck.fused_recurrent_kda if kda else ck.fused_recurrent_gated_delta_rule
+        step(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    else:
+        from cute_kernels import decode_attention
+
+        B, Hq, Hkv, T = 4, 32, 8, 8192
+        q = torch.randn(B, Hq, 128, device="cuda").bfloat16()
+        kc, vc = (torch.randn(B, T, Hkv, 128, device="cuda").bfloat16() for _ in range(2))
+        decode_attention(q, kc, vc, torch.full((B,), T, dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+
+
+def stall_column(header: list[str]) -> int:
+    for i, h in enumerate(header):
+        if "Warp Stall Sampling (All" in h:
+            return i
+    raise ValueError(f"no warp-stall column in the source page: {header}")
+
+
+def report(path: str, top: int = 40) -> None:
+    """Sums the source page's warp-stall samples per source line (ncu --page source --print-source cuda)."""
+    out = subprocess.run(["ncu", "--import", path, "--page", "source", "--csv", "--print-source", "cuda"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = list(csv.reader(io.StringIO(out[out.index('"'):] if '"' in out else out)))
+    header, body = rows[0], rows[1:]
+    col = stall_column(header)
+    src = next((i for i, h in enumerate(header) if h.strip() in ("Source", "# Source")), 1)
+    line = next((i for i, h in enumerate(header) if "Line" in h or "Address" in h), 0)
+    samples = []
+    for r in body:
+        try:
+            samples.append((float(r[col].replace(",", "") or 0), r[line], r[src].strip()))
+        except (IndexError, ValueError):
+            continue
+    total = sum(s for s, _, _ in samples) or 1.0
+    print(f"{path}: {int(total)} warp-stall samples over {len(samples)} source lines; the top {top}:")
+    for s, ln, text in sorted(samples, reverse=True)[:top]:
+        print(f"{100 * s / total:6.2f}%  {ln:>6}  {text[:110]}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "run":
+        run(sys.argv[2])
+    elif len(sys.argv) >= 3 and sys.argv[1] == "report":
+        report(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 40)
+    else:
+        print(__doc__)
+        sys.exit(2)

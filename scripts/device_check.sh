@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, check and time on the GPU machine in one call, by stage. From the repo root, after
 # `source .wheelhouse/b/install.sh`:
-#   bash scripts/device_check.sh [tests] [decode] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [sm100] [bench-OP-GRID] [peers-OP-GRID] ...
+#   bash scripts/device_check.sh [tests] [decode] [recurrent] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [sm100] [bench-OP-GRID] [peers-OP-GRID] ...
 # Logs go to $OUT/logs_<stages>.tgz (one file: a call brings back at most 8), the seed8 / fla8 JSON to ./device_out (kept
 # on the machine between calls) and a copy into $OUT. Every stage runs under a hard limit (SIGINT first, so a
 # sweep writes the cells it measured), so a hung kernel cannot eat the session.
@@ -11,6 +11,7 @@
 #              run per tool and op ($SANITIZE_TOOLS, $SANITIZE_OPS: subsets of "memcheck racecheck synccheck", "gdn kda decode")
 #   probe      racecheck over scripts/racecheck_probe.py: which synchronization patterns the tool models
 #   decode     the decode-attention GPU tests alone (tests/test_decode.py)
+#   recurrent  the decode-step GPU tests alone (tests/test_recurrent.py)
 #   mutations  planted kernel bugs, each caught by the GPU tests (scripts/mutations.py --gpu; $MUTATION_ONLY: --only)
 #   compare    outputs of every path bitwise against the tree in $BASELINE (default .baseline: an older export)
 #   decode-ab  the decode steps (GDN, KDA) of $BASELINE and this tree on $DECODE_CELLS of the full grid, alternated
@@ -63,6 +64,9 @@ for stage in $stages; do
         --tb=short -o faulthandler_timeout=150 --durations=10 ;;
     decode)
       run decode.log $t python3 -m pytest tests/test_decode.py -q -p no:cacheprovider --require-gpu -m gpu --tb=short ;;
+    recurrent)
+      run recurrent.log $t python3 -m pytest tests/test_recurrent.py -q -p no:cacheprovider --require-gpu \
+        -m "gpu and not compile" --tb=short ;;
     sanitize)
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
         for op in ${SANITIZE_OPS:-gdn kda decode}; do
@@ -162,7 +166,9 @@ print(len(r.grid('full')), 'decode-step cells;', len(d.grid('full')), 'decode ce
       TAIL=5 run "profile_$case.log" $t $lineinfo ncu --clock-control none --section SourceCounters \
         --section WarpStateStats --section SpeedOfLight --import-source yes -k "$regex" -c 1 -f -o "/tmp/prof_$case" \
         python3 scripts/profile_lines.py run "$case"
-      TAIL=60 run "profile_${case}_lines.log" 120 python3 scripts/profile_lines.py report "/tmp/prof_$case.ncu-rep"
+      ncu --import "/tmp/prof_$case.ncu-rep" --page source --csv --print-source cuda,sass \
+        > "$out/profile_${case}_source.csv" 2>&1
+      TAIL=60 run "profile_${case}_lines.log" 120 python3 scripts/profile_lines.py report "$out/profile_${case}_source.csv"
       TAIL=60 run "profile_${case}_details.log" 120 ncu --import "/tmp/prof_$case.ncu-rep" --page details ;;
     bench-*)
       spec=${stage#bench-}; op=${spec%%-*}; grid=${spec#*-}

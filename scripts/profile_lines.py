@@ -2,7 +2,7 @@
 samples summed per line of the kernel's Python (CuTe DSL compiled with CUTE_DSL_LINEINFO=1).
 
     python3 scripts/profile_lines.py run CASE                 # the call ncu profiles (run twice: compile, then time)
-    python3 scripts/profile_lines.py report REPORT.ncu-rep    # per-line table of the report's first kernel
+    python3 scripts/profile_lines.py report REPORT.ncu-rep|CSV  # per-line table of the report's first kernel
     bash scripts/device_check.sh profile-CASE                 # both, with ncu's flags (the GPU machine)
 
 Cases: gdn-fused / kda-fused (the fused forward at B=8 H=32 T=4096: 256 (sequence, head) tiles, about two waves),
@@ -56,7 +56,7 @@ def run(name: str) -> None:
         beta = torch.rand(B, Sq, HV, device="cuda").bfloat16()
         s0 = torch.randn(B, HV, 128, 128, device="cuda")
         step = ck.fused_recurrent_kda if kda else ck.fused_recurrent_gated_delta_rule
-        step(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+        step(q, k, v, g=g, beta=beta, initial_state=s0, output_final_state=True)
     else:
         from cute_kernels import decode_attention
 
@@ -67,32 +67,55 @@ def run(name: str) -> None:
     torch.cuda.synchronize()
 
 
-def stall_column(header: list[str]) -> int:
-    for i, h in enumerate(header):
-        if "Warp Stall Sampling (All" in h:
-            return i
-    raise ValueError(f"no warp-stall column in the source page: {header}")
+def source_rows(text: str):
+    """The per-source-line rows of ncu's source page (`--print-source cuda,sass --csv`): one section per file, each
+    with its own header; a row with a line number sums the SASS rows under it."""
+    path, header = None, None
+    for row in csv.reader(io.StringIO(text)):
+        if not row:
+            continue
+        if row[0] == "File Path":
+            path, header = row[1], None
+        elif row[0] == "Line No":
+            header = row
+        elif header is not None and row[0].strip():
+            yield path, header, row
+
+
+def number(cell: str) -> float:
+    try:
+        return float(cell.replace(",", ""))
+    except ValueError:   # "-": not measured on this row
+        return 0.0
 
 
 def report(path: str, top: int = 40) -> None:
-    """Sums the source page's warp-stall samples per source line (ncu --page source --print-source cuda)."""
-    out = subprocess.run(["ncu", "--import", path, "--page", "source", "--csv", "--print-source", "cuda"],
-                         capture_output=True, text=True, check=True).stdout
-    rows = list(csv.reader(io.StringIO(out[out.index('"'):] if '"' in out else out)))
-    header, body = rows[0], rows[1:]
-    col = stall_column(header)
-    src = next((i for i, h in enumerate(header) if h.strip() in ("Source", "# Source")), 1)
-    line = next((i for i, h in enumerate(header) if "Line" in h or "Address" in h), 0)
-    samples = []
-    for r in body:
-        try:
-            samples.append((float(r[col].replace(",", "") or 0), r[line], r[src].strip()))
-        except (IndexError, ValueError):
+    """Warp-stall samples per line of Python, with each line's three largest stall reasons. `path`: an .ncu-rep, or
+    the CSV that `ncu --import R --page source --csv --print-source cuda,sass` wrote."""
+    if path.endswith(".ncu-rep"):
+        text = subprocess.run(["ncu", "--import", path, "--page", "source", "--csv", "--print-source", "cuda,sass"],
+                              capture_output=True, text=True, check=True).stdout
+    else:
+        text = open(path).read()
+    lines, per_file = [], {}
+    for file, header, row in source_rows(text):
+        col = header.index("Warp Stall Sampling (All Samples)")
+        reasons = [(i, h) for i, h in enumerate(header) if h.startswith("stall_") and "(Not Issued)" not in h]
+        n = number(row[col])
+        if n == 0:
             continue
-    total = sum(s for s, _, _ in samples) or 1.0
-    print(f"{path}: {int(total)} warp-stall samples over {len(samples)} source lines; the top {top}:")
-    for s, ln, text in sorted(samples, reverse=True)[:top]:
-        print(f"{100 * s / total:6.2f}%  {ln:>6}  {text[:110]}")
+        why = sorted(((number(row[i]), h[6:]) for i, h in reasons), reverse=True)[:3]
+        name = os.path.basename(file)
+        lines.append((n, f"{name}:{row[0]}", row[1].strip(), why))
+        per_file[name] = per_file.get(name, 0.0) + n
+    total = sum(n for n, *_ in lines) or 1.0
+    print(f"{path}: {int(total)} warp-stall samples on {len(lines)} source lines")
+    for name, n in sorted(per_file.items(), key=lambda x: -x[1]):
+        print(f"  {100 * n / total:6.2f}%  {name}")
+    print(f"the top {top} lines (share, line, its largest stall reasons as shares of the line):")
+    for n, where, src, why in sorted(lines, key=lambda x: -x[0])[:top]:
+        reasons = " ".join(f"{r}={100 * v / n:.0f}%" for v, r in why if v)
+        print(f"{100 * n / total:6.2f}%  {where:<22} {src[:70]:<70} {reasons}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ samples summed per line of the kernel's Python (CuTe DSL compiled with CUTE_DSL_
     bash scripts/device_check.sh profile-CASE                 # both, with ncu's flags (the GPU machine)
 
 Cases: gdn-fused / kda-fused (the fused forward at B=8 H=32 T=4096: 256 (sequence, head) tiles, about two waves),
-gdn-two-phase (phase 1), gdn-step / kda-step (the decode step, B=256 HV=32 Sq=8) and
-decode (split-KV attention, B=4 Hq=32 Hkv=8, 8K tokens), decode-small (B=1, 4K tokens: the small-batch fixed cost). `CASES[name][0]` is the regex of the kernel to profile.
+gdn-two-phase (phase 1), gdn-step / kda-step (the decode step, B=256 HV=32 Sq=8), decode (split-KV attention,
+B=4 Hq=32 Hkv=8, 8K tokens) and decode-small (B=1, 4K tokens: the small-batch fixed cost). `CASES[name][0]` is
+the regex of the kernel to profile.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@
 #   recurrent  the decode-step GPU tests alone (tests/test_recurrent.py)
 #   mutations  planted kernel bugs, each caught by the GPU tests (scripts/mutations.py --gpu; $MUTATION_ONLY: --only)
 #   compare    outputs of every path bitwise against the tree in $BASELINE (default .baseline: an older export)
-#   decode-ab  the decode steps (GDN, KDA) of $BASELINE and this tree on $DECODE_CELLS of the full grid, alternated
-#              twice, FLA beside (its times: the rounds' drift)
+#   decode-ab  the decode steps (GDN, KDA) of $BASELINE (and the exported trees in $VARIANTS) and this tree on
+#              $DECODE_CELLS of the full grid, alternated twice, FLA beside (its times: the rounds' drift)
 #   seed8      eight seed cells per op ($SEED_OPS: gdn,kda; $SEED_FORMS: plain,gate,l2norm), $BASELINE and this tree
 #              alternated, then the comparison
 #              (scripts/seed_cells.py; a fresh ./device_out/seed8_*.json per machine)
@@ -87,10 +87,14 @@ for stage in $stages; do
     decode-ab)   # the decode steps of $BASELINE and this tree on $DECODE_CELLS, alternated twice (FLA beside)
       for op in gdn_decode kda_decode; do
         for round in 1 2; do
-          # -P: no working folder on sys.path, so the baseline's cute_kernels comes first (benchmarks from here)
-          PYTHONPATH=$PWD/$baseline:$PYTHONPATH CUTE_KERNELS_AOT_DIR=$PWD/.aot_baseline TAIL=12 \
-            run "${op}_old_$round.log" $t python3 -P -m benchmarks.sweep --op $op --grid full \
-            --cells "${DECODE_CELLS:-68:72,8,10,11,56,58,59}" --peers fla --out /tmp/decode_old
+          # -P: no working folder on sys.path, so the baseline's cute_kernels comes first (benchmarks from here);
+          # $VARIANTS: more exported trees, each timed the same way (AOT entries are keyed by their sources)
+          for tree in $baseline ${VARIANTS:-}; do
+            tag=$([ "$tree" = "$baseline" ] && echo old || basename "$tree" | tr -d .)
+            PYTHONPATH=$PWD/$tree:$PYTHONPATH CUTE_KERNELS_AOT_DIR=$PWD/.aot_baseline TAIL=12 \
+              run "${op}_${tag}_$round.log" $t python3 -P -m benchmarks.sweep --op $op --grid full \
+              --cells "${DECODE_CELLS:-68:72,8,10,11,56,58,59}" --peers fla --out /tmp/decode_$tag
+          done
           TAIL=12 run "${op}_new_$round.log" $t python3 -m benchmarks.sweep --op $op --grid full \
             --cells "${DECODE_CELLS:-68:72,8,10,11,56,58,59}" --peers fla --out /tmp/decode_new
         done

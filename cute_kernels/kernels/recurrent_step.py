@@ -15,7 +15,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .configs import RecurrentConfig
+from .configs import STEP_GROUP, RecurrentConfig
 from .views import flat
 
 THREADS = 128   # 4 warps: warp w holds state rows [32 w, 32 w + 32)
@@ -23,7 +23,7 @@ COLS = 32       # state columns per CTA: lane l holds column 32 vb + l
 WARPS = THREADS // 32
 EPS = 1e-6      # l2norm: x / sqrt(sum x^2 + EPS), as FLA
 MIN_CTAS_PER_SM = 4   # the register budget ptxas gets (128 a thread): at 80 (6 a SM) or its own choice it spilled
-GROUP = 8             # tokens staged in shared memory at once (their loads issued together: one memory latency)
+GROUP = STEP_GROUP    # tokens staged in shared memory at once (their loads issued together: one memory latency)
 SMEM_CARVEOUT = 50    # percent of the SM's memory as shared (up to 16 KB a CTA; the rest stays L1), fixed
 
 
@@ -55,6 +55,7 @@ class RecurrentStep:
     once. Per token each thread decays its 32 rows and sums k_r S_r and q_r S_r over them; the four warps' partial
     sums meet in shared memory (one barrier a token; two partial-sum buffers keep every reader ahead of the next
     writer); every thread then has k^T S and q^T S of its column, updates its rows, and warp 0 writes o.
+    With `config.tokens` (no varlen, at most GROUP tokens) the count is static: one group, the token loop unrolled.
 
     Tensors as the op has them ([B, T, ...]; varlen B = 1; flattened here to [B * T, ...]): q, k [B, T, H, K];
     v, o [B, T, HV, V]; g [B, T, HV] or [B, T, HV, K]; beta [B, T, HV]; a_log [HV] fp32; dt_bias [HV] or [HV * K]
@@ -135,69 +136,95 @@ class RecurrentStep:
         if cutlass.const_expr(cfg.a_log):
             a_head = cute.math.exp(a_log[hv], fastmath=False)
 
-        # Tokens GROUP at a time: every input of the group loaded at once and staged, then one barrier per token
-        # (the four warps' partial sums).
-        for t0 in cutlass.range(0, length, GROUP, unroll=1):
-            count = length - t0
-            if count > GROUP:
-                count = GROUP
-            cute.arch.sync_threads()   # the last group's tokens are done with the buffers
-            self.stage(staging, q, k, v, g, beta, dt_bias, bos + t0, bos + length - 1, count, h, hv, vb, tid, warp,
-                       lane, a_head, lower_bound)
-            cute.arch.sync_threads()
-            for t in cutlass.range(count, unroll=1):
-                pbuf = t % 2
-                tok = bos + t0 + t
-                nqq = Float32(0.0)
-                nkk = Float32(0.0)
-                qk = Float32(0.0)
-                for w in cutlass.range_constexpr(WARPS):
-                    nqq = nqq + s_stat[t, w, 0]
-                    nkk = nkk + s_stat[t, w, 1]
-                    qk = qk + s_stat[t, w, 2]
-                rq = scale
-                rk = Float32(1.0)
-                if cutlass.const_expr(cfg.l2norm):
-                    rq = scale * cute.math.rsqrt(nqq + Float32(EPS))
-                    rk = cute.math.rsqrt(nkk + Float32(EPS))
-                decay = Float32(1.0)
-                if cutlass.const_expr(not cfg.kda):
-                    decay = s_tok[t, 0]
-                pk = Float32(0.0)
-                pq = Float32(0.0)
-                for r in cutlass.range_constexpr(ROWS):
-                    if cutlass.const_expr(cfg.kda):
-                        state[r] = state[r] * s_a[t, row0 + r]
-                    else:
-                        state[r] = state[r] * decay
-                    pk = pk + s_k[t, row0 + r] * state[r]
-                    pq = pq + s_q[t, row0 + r] * state[r]
-                s_part[pbuf, 0, warp, lane] = pk
-                s_part[pbuf, 1, warp, lane] = pq
-                # (token t + 2 writes this buffer again after token t + 1's barrier, past every read of it below)
-                cute.arch.sync_threads()
-
-                ks = Float32(0.0)
-                qs = Float32(0.0)
-                for w in cutlass.range_constexpr(WARPS):
-                    ks = ks + s_part[pbuf, 0, w, lane]
-                    qs = qs + s_part[pbuf, 1, w, lane]
-                u = s_tok[t, 1] * (s_v[t, lane] - ks * rk)
-                if warp == 0:
-                    o[tok, hv, col] = (qs * rq + qk * rq * rk * u).to(self.io_dtype)
-                uk = u * rk
-                for r in cutlass.range_constexpr(ROWS):
-                    state[r] = state[r] + s_k[t, row0 + r] * uk
-                if cutlass.const_expr(cfg.spec):
-                    slot = final_idx[n, t0 + t]
-                    if slot >= 0:
-                        for r in cutlass.range_constexpr(ROWS):
-                            ht[slot, hv, row0 + r, col] = state[r]
+        # Tokens GROUP at a time (with `tokens`, all of them, a compile-time count): every input of the group
+        # loaded at once and staged, then one barrier per token (the four warps' partial sums).
+        work = (staging, s_part, state, q, k, v, g, beta, dt_bias, o, ht, final_idx, bos, length, n, h, hv, vb, tid,
+                warp, lane, row0, col, scale, a_head, lower_bound)
+        if cutlass.const_expr(cfg.tokens > 0):
+            self.group(work, 0, cfg.tokens)
+        else:
+            for t0 in cutlass.range(0, length, GROUP, unroll=1):
+                count = length - t0
+                if count > GROUP:
+                    count = GROUP
+                self.group(work, t0, count)
 
         if cutlass.const_expr(cfg.final != "none" and not cfg.spec):
             slot = n
             if cutlass.const_expr(cfg.final == "pool"):
                 slot = final_idx[n]
+            if slot >= 0:
+                for r in cutlass.range_constexpr(ROWS):
+                    ht[slot, hv, row0 + r, col] = state[r]
+
+    @cute.jit
+    def group(self, work, t0, count):
+        """Tokens t0 .. t0 + count - 1 of the sequence: staged, then one by one (`count` an int: unrolled)."""
+        (staging, s_part, state, q, k, v, g, beta, dt_bias, o, ht, final_idx, bos, length, n, h, hv, vb, tid, warp,
+         lane, row0, col, scale, a_head, lower_bound) = work
+        cute.arch.sync_threads()   # the last group's tokens are done with the buffers
+        self.stage(staging, q, k, v, g, beta, dt_bias, bos + t0, bos + length - 1, count, h, hv, vb, tid, warp, lane,
+                   a_head, lower_bound)
+        cute.arch.sync_threads()
+        if cutlass.const_expr(isinstance(count, int)):
+            for t in cutlass.range_constexpr(count):
+                self.token(work, t0, t)
+        else:
+            for t in cutlass.range(count, unroll=1):
+                self.token(work, t0, t)
+
+    @cute.jit
+    def token(self, work, t0, t):
+        """Token t of the group at t0 (staged at t): decay, the partial sums, their exchange, u, o, the update."""
+        cfg = self.config
+        (staging, s_part, state, q, k, v, g, beta, dt_bias, o, ht, final_idx, bos, length, n, h, hv, vb, tid, warp,
+         lane, row0, col, scale, a_head, lower_bound) = work
+        s_q, s_k, s_a, s_stat, s_v, s_tok = staging
+        ROWS = cfg.head_dim // WARPS
+        pbuf = t % 2
+        tok = bos + t0 + t
+        nqq = Float32(0.0)
+        nkk = Float32(0.0)
+        qk = Float32(0.0)
+        for w in cutlass.range_constexpr(WARPS):
+            nqq = nqq + s_stat[t, w, 0]
+            nkk = nkk + s_stat[t, w, 1]
+            qk = qk + s_stat[t, w, 2]
+        rq = scale
+        rk = Float32(1.0)
+        if cutlass.const_expr(cfg.l2norm):
+            rq = scale * cute.math.rsqrt(nqq + Float32(EPS))
+            rk = cute.math.rsqrt(nkk + Float32(EPS))
+        decay = Float32(1.0)
+        if cutlass.const_expr(not cfg.kda):
+            decay = s_tok[t, 0]
+        pk = Float32(0.0)
+        pq = Float32(0.0)
+        for r in cutlass.range_constexpr(ROWS):
+            if cutlass.const_expr(cfg.kda):
+                state[r] = state[r] * s_a[t, row0 + r]
+            else:
+                state[r] = state[r] * decay
+            pk = pk + s_k[t, row0 + r] * state[r]
+            pq = pq + s_q[t, row0 + r] * state[r]
+        s_part[pbuf, 0, warp, lane] = pk
+        s_part[pbuf, 1, warp, lane] = pq
+        # (token t + 2 writes this buffer again after token t + 1's barrier, past every read of it below)
+        cute.arch.sync_threads()
+
+        ks = Float32(0.0)
+        qs = Float32(0.0)
+        for w in cutlass.range_constexpr(WARPS):
+            ks = ks + s_part[pbuf, 0, w, lane]
+            qs = qs + s_part[pbuf, 1, w, lane]
+        u = s_tok[t, 1] * (s_v[t, lane] - ks * rk)
+        if warp == 0:
+            o[tok, hv, col] = (qs * rq + qk * rq * rk * u).to(self.io_dtype)
+        uk = u * rk
+        for r in cutlass.range_constexpr(ROWS):
+            state[r] = state[r] + s_k[t, row0 + r] * uk
+        if cutlass.const_expr(cfg.spec):
+            slot = final_idx[n, t0 + t]
             if slot >= 0:
                 for r in cutlass.range_constexpr(ROWS):
                     ht[slot, hv, row0 + r, col] = state[r]
@@ -210,14 +237,14 @@ class RecurrentStep:
         (GDN) and beta. Every load of the group is issued before the first is used (tokens past the sequence load
         its last one, never staged)."""
         cfg = self.config
-        K = cfg.head_dim
         s_q, s_k, s_a, s_stat, s_v, s_tok = staging
-        toks = [self.clamp(tok0 + t, last) for t in range(GROUP)]
-        qx = [q[toks[t], h, tid].to(Float32) for t in range(GROUP)]
-        kx = [k[toks[t], h, tid].to(Float32) for t in range(GROUP)]
+        loads = count if isinstance(count, int) else GROUP
+        toks = [self.clamp(tok0 + t, last) for t in range(loads)]
+        qx = [q[toks[t], h, tid].to(Float32) for t in range(loads)]
+        kx = [k[toks[t], h, tid].to(Float32) for t in range(loads)]
         gx = []
         if cutlass.const_expr(cfg.kda):
-            gx = [g[toks[t], hv, tid].to(Float32) for t in range(GROUP)]
+            gx = [g[toks[t], hv, tid].to(Float32) for t in range(loads)]
         vx = [v[self.clamp(tok0 + (tid + THREADS * m) // COLS, last), hv, vb * COLS + tid % COLS].to(Float32)
               for m in range(GROUP * COLS // THREADS)]
         mine = self.clamp(tok0 + tid % GROUP, last)   # thread t < GROUP: token t's scalars
@@ -225,20 +252,14 @@ class RecurrentStep:
         gh = Float32(0.0)
         if cutlass.const_expr(not cfg.kda):
             gh = g[mine, hv].to(Float32)
-        for t in cutlass.range_constexpr(GROUP):
-            if t < count:
-                s_q[t, tid] = qx[t]
-                s_k[t, tid] = kx[t]
-                if cutlass.const_expr(cfg.kda):
-                    s_a[t, tid] = cute.math.exp(self.gate(gx[t], dt_bias, hv * K + tid, a_head, lower_bound),
-                                                fastmath=False)
-                sqq = warp_sum(qx[t] * qx[t])
-                skk = warp_sum(kx[t] * kx[t])
-                sqk = warp_sum(qx[t] * kx[t])
-                if lane == 0:
-                    s_stat[t, warp, 0] = sqq
-                    s_stat[t, warp, 1] = skk
-                    s_stat[t, warp, 2] = sqk
+        for t in cutlass.range_constexpr(loads):
+            if cutlass.const_expr(isinstance(count, int)):
+                self.stage_token(staging, t, qx[t], kx[t], gx[t] if cfg.kda else None, dt_bias, hv, tid, warp, lane,
+                                 a_head, lower_bound)
+            else:
+                if t < count:
+                    self.stage_token(staging, t, qx[t], kx[t], gx[t] if cfg.kda else None, dt_bias, hv, tid, warp,
+                                     lane, a_head, lower_bound)
         for m in cutlass.range_constexpr(GROUP * COLS // THREADS):
             s_v[(tid + THREADS * m) // COLS, tid % COLS] = vx[m]
         if tid < GROUP:
@@ -249,6 +270,23 @@ class RecurrentStep:
             s_tok[tid, 1] = bx
             if cutlass.const_expr(not cfg.kda):
                 s_tok[tid, 0] = cute.math.exp(self.gate(gh, dt_bias, hv, a_head, lower_bound), fastmath=False)
+
+    @cute.jit
+    def stage_token(self, staging, t, qx, kx, gx, dt_bias, hv, tid, warp, lane, a_head, lower_bound):
+        """Token t's q and k at key `tid` (KDA: its decay) and this warp's sums of q.q, k.k and q.k."""
+        s_q, s_k, s_a, s_stat, s_v, s_tok = staging
+        s_q[t, tid] = qx
+        s_k[t, tid] = kx
+        if cutlass.const_expr(self.config.kda):
+            s_a[t, tid] = cute.math.exp(self.gate(gx, dt_bias, hv * self.config.head_dim + tid, a_head, lower_bound),
+                                        fastmath=False)
+        sqq = warp_sum(qx * qx)
+        skk = warp_sum(kx * kx)
+        sqk = warp_sum(qx * kx)
+        if lane == 0:
+            s_stat[t, warp, 0] = sqq
+            s_stat[t, warp, 1] = skk
+            s_stat[t, warp, 2] = sqk
 
     @cute.jit
     def clamp(self, tok, last):

@@ -187,8 +187,9 @@ class RecurrentStep:
         nkk = Float32(0.0)
         qk = Float32(0.0)
         for w in cutlass.range_constexpr(WARPS):
-            nqq = nqq + s_stat[t, w, 0]
-            nkk = nkk + s_stat[t, w, 1]
+            if cutlass.const_expr(cfg.l2norm):
+                nqq = nqq + s_stat[t, w, 0]
+                nkk = nkk + s_stat[t, w, 1]
             qk = qk + s_stat[t, w, 2]
         rq = scale
         rk = Float32(1.0)
@@ -280,12 +281,14 @@ class RecurrentStep:
         if cutlass.const_expr(self.config.kda):
             s_a[t, tid] = cute.math.exp(self.gate(gx, dt_bias, hv * self.config.head_dim + tid, a_head, lower_bound),
                                         fastmath=False)
-        sqq = warp_sum(qx * qx)
-        skk = warp_sum(kx * kx)
         sqk = warp_sum(qx * kx)
+        if cutlass.const_expr(self.config.l2norm):   # the norms only for l2norm (q.k always: o needs it)
+            sqq = warp_sum(qx * qx)
+            skk = warp_sum(kx * kx)
+            if lane == 0:
+                s_stat[t, warp, 0] = sqq
+                s_stat[t, warp, 1] = skk
         if lane == 0:
-            s_stat[t, warp, 0] = sqq
-            s_stat[t, warp, 1] = skk
             s_stat[t, warp, 2] = sqk
 
     @cute.jit

@@ -17,11 +17,14 @@ import torch
 
 from ..checks import check_cuda, check_no_grad, check_qkv, check_shape, check_tensor
 from ..kernels.build import build_recurrent_step
-from ..kernels.configs import STEP_GROUP, RecurrentConfig
+from ..kernels.configs import RecurrentConfig
 
 IO_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIM = 128
 MAX_SEQS = 65535   # the grid's z extent
+# Up to this many tokens per sequence (not varlen) the count is compiled in (`RecurrentConfig.tokens`); beyond, the
+# token loop reads T (at 8 tokens the unrolled loop measured slower: docs/design.md, section 12).
+STATIC_TOKENS = 4
 
 
 def _dummies(device) -> tuple:
@@ -158,7 +161,7 @@ def fused_recurrent(q, k, v, g, beta, *, kda: bool, scale=None, initial_state=No
         fn = step_function(kda, HV // H, varlen, initial, final, spec, bool(use_qk_l2norm_in_kernel),
                            bool(use_gate_in_kernel), a_log is not None, bias is not None, lower_bound is not None,
                            bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
-                           T if not varlen and T <= STEP_GROUP else 0, q.dtype, g.dtype, beta.dtype)
+                           T if not varlen and T <= STATIC_TOKENS else 0, q.dtype, g.dtype, beta.dtype)
         # the kernel flattens [B, T, ...] itself: no view on this path
         fn(q, k, v, g, beta, a_log if a_log is not None else d_f32, bias if bias is not None else d_f32,
            h0 if h0 is not None else d_state, ht if ht is not None else d_state, cu if cu is not None else d_i32,

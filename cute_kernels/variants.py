@@ -175,6 +175,9 @@ def _variants() -> list[Variant]:
     # fp32 beta); KDA with every flag, a pool and speculative writes
     for name, cfg, io, gd, bd in [
             ("recurrent_gdn", RecurrentConfig(), bf, f32, bf),
+            ("recurrent_gdn_dense_tokens4", RecurrentConfig(initial="dense", final="dense", tokens=4), bf, f32, bf),
+            ("recurrent_kda_pool_l2norm_tokens1", RecurrentConfig(kda=True, initial="pool", final="pool", l2norm=True,
+                                                                  tokens=1), bf, f32, bf),
             ("recurrent_gdn_gva4_dense_gate_fp16", RecurrentConfig(group=4, initial="dense", final="dense",
                                                                    gate_in_kernel=True, a_log=True, dt_bias=True),
              f16, f32, f32),

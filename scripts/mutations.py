@@ -285,6 +285,14 @@ GPU_MUTANTS = [
     Mutant("speculative start ignores num_accepted_tokens", "recurrent step", STEP,
            "slot = init_idx[n, accepted[n] - 1]", "slot = init_idx[n, 0]",
            ("tests/test_recurrent.py@kernel_speculative",), True),
+    Mutant("v of a group's second half staged from its first token", "recurrent step (staging)", STEP,
+           "s_v[(tid + THREADS * m) // COLS, tid % COLS] = vx[m]",
+           "s_v[(tid + THREADS * m) // COLS, tid % COLS] = vx[0]",
+           ("tests/test_recurrent.py@kernel_matches_spec and weak and 8",), True),
+    Mutant("every group staged from the sequence's first token", "recurrent step (groups)", STEP,
+           "self.stage(staging, q, k, v, g, beta, dt_bias, bos + t0,",
+           "self.stage(staging, q, k, v, g, beta, dt_bias, bos,",
+           ("tests/test_recurrent.py@kernel_longer_than_a_group",), True),
 ]
 
 

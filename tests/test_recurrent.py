@@ -238,6 +238,19 @@ def test_kernel_matches_spec(kda, group, Sq, decay):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("T", [9, 19])
+def test_kernel_longer_than_a_group(kda, T):
+    """More tokens than one staged group (the token count read at run time): groups of 8, the last one partial."""
+    q, k, v, g, beta = make(2, T, 2, 4, kda, "cuda", decay="weak", seed=T)
+    s0 = torch.randn(2, 4, D, D, device="cuda") * 0.5
+    o_ref, f_ref = fused_recurrent_ref(q, k, v, g, beta, kda=kda, initial_state=s0, output_final_state=True)
+    out = torch.full_like(v, float("nan"))
+    o, final = _call(kda, q, k, v, g, beta, initial_state=s0, output_final_state=True, out=out)
+    _check(o, final, o_ref, f_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("flags", list(FLAGS))
 def test_kernel_gate_flags(kda, flags):
     if "lower_bound" in flags and not kda:

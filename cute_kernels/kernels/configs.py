@@ -217,6 +217,9 @@ class DecodeConfig:
 STATE_SOURCES = ("none", "dense", "pool")
 
 
+STEP_GROUP = 8   # the decode step's tokens staged at once (the most a compile-time token count may be)
+
+
 @dataclass(frozen=True)
 class RecurrentConfig:
     """The recurrent step (`RecurrentStep`, every arch): token by token over a state held in registers, for
@@ -229,7 +232,8 @@ class RecurrentConfig:
     index [n, num_accepted_tokens[n] - 1] and the state after each token t written at index [n, t].
     l2norm: q and k normalized in the kernel. gate_in_kernel: g is the raw gate: g = -exp(A_log) softplus(g +
     dt_bias), or with lower_bound (KDA) g = lower_bound sigmoid(exp(A_log) (g + dt_bias)) (a_log False: A = 1).
-    beta_sigmoid: beta is a logit (neg_eigval: 2 sigmoid(beta))."""
+    beta_sigmoid: beta is a logit (neg_eigval: 2 sigmoid(beta)). tokens: the tokens per sequence as a compile-time
+    count (1..STEP_GROUP, not varlen; the token loop unrolled), or 0: read from T."""
 
     kda: bool = False
     head_dim: int = 128
@@ -245,8 +249,11 @@ class RecurrentConfig:
     lower_bound: bool = False
     beta_sigmoid: bool = False
     neg_eigval: bool = False
+    tokens: int = 0
 
     def __post_init__(self):
+        if not 0 <= self.tokens <= STEP_GROUP or (self.tokens and self.varlen):
+            raise ValueError(f"tokens must be 0, or 1..{STEP_GROUP} without varlen, got {self.tokens}")
         if self.head_dim != 128:
             raise ValueError(f"head_dim must be 128, got {self.head_dim}")
         if self.group < 1:

@@ -15,7 +15,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .configs import RecurrentConfig
+from .configs import STEP_GROUP, RecurrentConfig
 from .views import flat
 
 THREADS = 128   # 4 warps: warp w holds state rows [32 w, 32 w + 32)
@@ -23,8 +23,8 @@ COLS = 32       # state columns per CTA: lane l holds column 32 vb + l
 WARPS = THREADS // 32
 EPS = 1e-6      # l2norm: x / sqrt(sum x^2 + EPS), as FLA
 MIN_CTAS_PER_SM = 4   # the register budget ptxas gets (128 a thread): at 80 (6 a SM) or its own choice it spilled
-STAGED = 3            # token buffers of q, k, decay and warp sums in shared memory
-SMEM_CARVEOUT = 25    # percent of the SM's memory as shared (3 KB a CTA; the rest stays L1), fixed: no device query
+GROUP = STEP_GROUP    # tokens staged in shared memory at once (their loads issued together: one memory latency)
+SMEM_CARVEOUT = 50    # percent of the SM's memory as shared (up to 16 KB a CTA; the rest stays L1), fixed
 
 
 @cute.jit
@@ -49,12 +49,13 @@ def sigmoid(x):
 class RecurrentStep:
     """One CTA per (32 state columns, value head, sequence); 128 threads, no warp specialization, no pipelines.
 
-    Thread (warp w, lane l) holds S[32 w + r, 32 vb + l] for r < 32 in registers. Per token: every thread stages
-    one of the 128 entries of q, k (and KDA's decay) in shared memory, with warp sums of q.q, k.k, q.k; each
-    thread decays its 32 rows and sums k_r S_r and q_r S_r over them; the four warps' partial sums meet in shared
-    memory; every thread then has k^T S and q^T S of its column, updates its rows, and warp 0 writes o. Token
-    t + 1 is staged (and token t + 2 loaded) between token t's partial sums and its one barrier: three q / k
-    buffers and two partial-sum buffers keep every reader ahead of the next writer with one barrier per token.
+    Thread (warp w, lane l) holds S[32 w + r, 32 vb + l] for r < 32 in registers. Tokens come GROUP at a time:
+    every input of the group (q and k at key `tid`, KDA's decay, v of the CTA's columns, beta, GDN's decay) is loaded
+    at once and staged in shared memory with the warp sums of q.q, k.k and q.k, so a group waits on global memory
+    once. Per token each thread decays its 32 rows and sums k_r S_r and q_r S_r over them; the four warps' partial
+    sums meet in shared memory (one barrier a token; two partial-sum buffers keep every reader ahead of the next
+    writer); every thread then has k^T S and q^T S of its column, updates its rows, and warp 0 writes o.
+    With `config.tokens` (no varlen, at most GROUP tokens) the count is static: one group, the token loop unrolled.
 
     Tensors as the op has them ([B, T, ...]; varlen B = 1; flattened here to [B * T, ...]): q, k [B, T, H, K];
     v, o [B, T, HV, V]; g [B, T, HV] or [B, T, HV, K]; beta [B, T, HV]; a_log [HV] fp32; dt_bias [HV] or [HV * K]
@@ -98,13 +99,17 @@ class RecurrentStep:
         h = hv // cfg.group
 
         smem = cutlass.memory.SmemAllocator()
-        # q, k, the per-key decay and the warp sums of a token: three buffers (token t's are read up to its state
-        # update, after the barrier, while token t + 1's are being staged)
-        s_q = smem.allocate_tensor(Float32, cute.make_layout((STAGED, K), stride=(K, 1)), 16)
-        s_k = smem.allocate_tensor(Float32, cute.make_layout((STAGED, K), stride=(K, 1)), 16)
-        s_a = smem.allocate_tensor(Float32, cute.make_layout((STAGED, K), stride=(K, 1)), 16)
-        s_stat = smem.allocate_tensor(Float32, cute.make_layout((STAGED, WARPS, 4), stride=(4 * WARPS, 4, 1)), 16)
-        staging = (s_q, s_k, s_a, s_stat)
+        # a group's q, k (KDA: the decay per key), warp sums of q.q, k.k, q.k, v of the CTA's columns and (GDN) the
+        # decay and beta per token
+        s_q = smem.allocate_tensor(Float32, cute.make_layout((GROUP, K), stride=(K, 1)), 16)
+        s_k = smem.allocate_tensor(Float32, cute.make_layout((GROUP, K), stride=(K, 1)), 16)
+        s_a = s_k
+        if cutlass.const_expr(cfg.kda):
+            s_a = smem.allocate_tensor(Float32, cute.make_layout((GROUP, K), stride=(K, 1)), 16)
+        s_stat = smem.allocate_tensor(Float32, cute.make_layout((GROUP, WARPS, 4), stride=(4 * WARPS, 4, 1)), 16)
+        s_v = smem.allocate_tensor(Float32, cute.make_layout((GROUP, COLS), stride=(COLS, 1)), 16)
+        s_tok = smem.allocate_tensor(Float32, cute.make_layout((GROUP, 2), stride=(2, 1)), 16)
+        staging = (s_q, s_k, s_a, s_stat, s_v, s_tok)
         s_part = smem.allocate_tensor(Float32, cute.make_layout((2, 2, WARPS, COLS),
                                                                 stride=(2 * WARPS * COLS, WARPS * COLS, COLS, 1)), 16)
 
@@ -131,82 +136,18 @@ class RecurrentStep:
         if cutlass.const_expr(cfg.a_log):
             a_head = cute.math.exp(a_log[hv], fastmath=False)
 
-        # One barrier per token: token t + 1's q, k (and decay) are staged while token t's partial sums are
-        # formed, and each token's inputs are loaded a token ahead, so Sq tokens wait on global memory once.
-        last = bos + length - 1
-        zero = Float32(0.0)
-        cq, ck, cv, cb, cg = zero, zero, zero, zero, zero
-        nq, nk, nv, nb, ng = zero, zero, zero, zero, zero
-        if length > 0:   # (an empty sequence reads nothing)
-            cq, ck, cv, cb, cg = self.load_token(q, k, v, g, beta, bos, h, hv, tid, col)
-            self.stage(staging, 0, cq, ck, cg, dt_bias, hv, tid, warp, lane, a_head, lower_bound)
-            nxt = bos + 1
-            if nxt > last:
-                nxt = last
-            nq, nk, nv, nb, ng = self.load_token(q, k, v, g, beta, nxt, h, hv, tid, col)
-        cute.arch.sync_threads()
-        for t in cutlass.range(length, unroll=1):
-            buf = t % STAGED
-            pbuf = t % 2
-            tok = bos + t
-            nqq = Float32(0.0)
-            nkk = Float32(0.0)
-            qk = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
-                nqq = nqq + s_stat[buf, w, 0]
-                nkk = nkk + s_stat[buf, w, 1]
-                qk = qk + s_stat[buf, w, 2]
-            rq = scale
-            rk = Float32(1.0)
-            if cutlass.const_expr(cfg.l2norm):
-                rq = scale * cute.math.rsqrt(nqq + Float32(EPS))
-                rk = cute.math.rsqrt(nkk + Float32(EPS))
-            decay = Float32(1.0)
-            if cutlass.const_expr(not cfg.kda):
-                decay = cute.math.exp(self.gate(cg, dt_bias, hv, a_head, lower_bound), fastmath=False)
-            pk = Float32(0.0)
-            pq = Float32(0.0)
-            for r in cutlass.range_constexpr(ROWS):
-                if cutlass.const_expr(cfg.kda):
-                    state[r] = state[r] * s_a[buf, row0 + r]
-                else:
-                    state[r] = state[r] * decay
-                pk = pk + s_k[buf, row0 + r] * state[r]
-                pq = pq + s_q[buf, row0 + r] * state[r]
-            s_part[pbuf, 0, warp, lane] = pk
-            s_part[pbuf, 1, warp, lane] = pq
-            # token t + 1 into the next buffer (its last reader, token t - 2, finished before the last barrier);
-            # token t + 2's loads issued
-            self.stage(staging, (t + 1) % STAGED, nq, nk, ng, dt_bias, hv, tid, warp, lane, a_head, lower_bound)
-            vx = cv
-            bx = cb
-            cv, cb, cg = nv, nb, ng
-            nxt = tok + 2
-            if nxt > last:
-                nxt = last
-            nq, nk, nv, nb, ng = self.load_token(q, k, v, g, beta, nxt, h, hv, tid, col)
-            cute.arch.sync_threads()
-
-            if cutlass.const_expr(cfg.beta_sigmoid):
-                bx = sigmoid(bx)
-                if cutlass.const_expr(cfg.neg_eigval):
-                    bx = bx * Float32(2.0)
-            ks = Float32(0.0)
-            qs = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
-                ks = ks + s_part[pbuf, 0, w, lane]
-                qs = qs + s_part[pbuf, 1, w, lane]
-            u = bx * (vx - ks * rk)
-            if warp == 0:
-                o[tok, hv, col] = (qs * rq + qk * rq * rk * u).to(self.io_dtype)
-            uk = u * rk
-            for r in cutlass.range_constexpr(ROWS):
-                state[r] = state[r] + s_k[buf, row0 + r] * uk
-            if cutlass.const_expr(cfg.spec):
-                slot = final_idx[n, t]
-                if slot >= 0:
-                    for r in cutlass.range_constexpr(ROWS):
-                        ht[slot, hv, row0 + r, col] = state[r]
+        # Tokens GROUP at a time (with `tokens`, all of them, a compile-time count): every input of the group
+        # loaded at once and staged, then one barrier per token (the four warps' partial sums).
+        work = (staging, s_part, state, q, k, v, g, beta, dt_bias, o, ht, final_idx, bos, length, n, h, hv, vb, tid,
+                warp, lane, row0, col, scale, a_head, lower_bound)
+        if cutlass.const_expr(cfg.tokens > 0):
+            self.group(work, 0, cfg.tokens)
+        else:
+            for t0 in cutlass.range(0, length, GROUP, unroll=1):
+                count = length - t0
+                if count > GROUP:
+                    count = GROUP
+                self.group(work, t0, count)
 
         if cutlass.const_expr(cfg.final != "none" and not cfg.spec):
             slot = n
@@ -217,34 +158,145 @@ class RecurrentStep:
                     ht[slot, hv, row0 + r, col] = state[r]
 
     @cute.jit
-    def stage(self, staging, buf, qx, kx, graw, dt_bias, hv, tid, warp, lane, a_head, lower_bound):
-        """A token's q and k entry `tid` (and KDA's decay exp(g) at key `tid`) into buffer `buf`, with this warp's
-        sums of q.q, k.k and q.k."""
-        s_q, s_k, s_a, s_stat = staging
-        s_q[buf, tid] = qx
-        s_k[buf, tid] = kx
-        if cutlass.const_expr(self.config.kda):
-            s_a[buf, tid] = cute.math.exp(self.gate(graw, dt_bias, hv * self.config.head_dim + tid, a_head,
-                                                    lower_bound), fastmath=False)
-        sqq = warp_sum(qx * qx)
-        skk = warp_sum(kx * kx)
-        sqk = warp_sum(qx * kx)
-        if lane == 0:
-            s_stat[buf, warp, 0] = sqq
-            s_stat[buf, warp, 1] = skk
-            s_stat[buf, warp, 2] = sqk
+    def group(self, work, t0, count):
+        """Tokens t0 .. t0 + count - 1 of the sequence: staged, then one by one (`count` an int: unrolled)."""
+        (staging, s_part, state, q, k, v, g, beta, dt_bias, o, ht, final_idx, bos, length, n, h, hv, vb, tid, warp,
+         lane, row0, col, scale, a_head, lower_bound) = work
+        cute.arch.sync_threads()   # the last group's tokens are done with the buffers
+        self.stage(staging, q, k, v, g, beta, dt_bias, bos + t0, bos + length - 1, count, h, hv, vb, tid, warp, lane,
+                   a_head, lower_bound)
+        cute.arch.sync_threads()
+        if cutlass.const_expr(isinstance(count, int)):
+            for t in cutlass.range_constexpr(count):
+                self.token(work, t0, t)
+        else:
+            for t in cutlass.range(count, unroll=1):
+                self.token(work, t0, t)
 
     @cute.jit
-    def load_token(self, q, k, v, g, beta, tok, h, hv, tid, col):
-        """Token `tok`'s inputs for this thread, as fp32: q and k at key `tid`, v at column `col`, beta, and g (KDA:
-        at key `tid`)."""
-        gx = Float32(0.0)
+    def token(self, work, t0, t):
+        """Token t of the group at t0 (staged at t): decay, the partial sums, their exchange, u, o, the update."""
+        cfg = self.config
+        (staging, s_part, state, q, k, v, g, beta, dt_bias, o, ht, final_idx, bos, length, n, h, hv, vb, tid, warp,
+         lane, row0, col, scale, a_head, lower_bound) = work
+        s_q, s_k, s_a, s_stat, s_v, s_tok = staging
+        ROWS = cfg.head_dim // WARPS
+        pbuf = t % 2
+        tok = bos + t0 + t
+        nqq = Float32(0.0)
+        nkk = Float32(0.0)
+        qk = Float32(0.0)
+        for w in cutlass.range_constexpr(WARPS):
+            if cutlass.const_expr(cfg.l2norm):
+                nqq = nqq + s_stat[t, w, 0]
+                nkk = nkk + s_stat[t, w, 1]
+            qk = qk + s_stat[t, w, 2]
+        rq = scale
+        rk = Float32(1.0)
+        if cutlass.const_expr(cfg.l2norm):
+            rq = scale * cute.math.rsqrt(nqq + Float32(EPS))
+            rk = cute.math.rsqrt(nkk + Float32(EPS))
+        decay = Float32(1.0)
+        if cutlass.const_expr(not cfg.kda):
+            decay = s_tok[t, 0]
+        pk = Float32(0.0)
+        pq = Float32(0.0)
+        for r in cutlass.range_constexpr(ROWS):
+            if cutlass.const_expr(cfg.kda):
+                state[r] = state[r] * s_a[t, row0 + r]
+            else:
+                state[r] = state[r] * decay
+            pk = pk + s_k[t, row0 + r] * state[r]
+            pq = pq + s_q[t, row0 + r] * state[r]
+        s_part[pbuf, 0, warp, lane] = pk
+        s_part[pbuf, 1, warp, lane] = pq
+        # (token t + 2 writes this buffer again after token t + 1's barrier, past every read of it below)
+        cute.arch.sync_threads()
+
+        ks = Float32(0.0)
+        qs = Float32(0.0)
+        for w in cutlass.range_constexpr(WARPS):
+            ks = ks + s_part[pbuf, 0, w, lane]
+            qs = qs + s_part[pbuf, 1, w, lane]
+        u = s_tok[t, 1] * (s_v[t, lane] - ks * rk)
+        if warp == 0:
+            o[tok, hv, col] = (qs * rq + qk * rq * rk * u).to(self.io_dtype)
+        uk = u * rk
+        for r in cutlass.range_constexpr(ROWS):
+            state[r] = state[r] + s_k[t, row0 + r] * uk
+        if cutlass.const_expr(cfg.spec):
+            slot = final_idx[n, t0 + t]
+            if slot >= 0:
+                for r in cutlass.range_constexpr(ROWS):
+                    ht[slot, hv, row0 + r, col] = state[r]
+
+    @cute.jit
+    def stage(self, staging, q, k, v, g, beta, dt_bias, tok0, last, count, h, hv, vb, tid, warp, lane, a_head,
+              lower_bound):
+        """Tokens tok0 .. tok0 + count - 1 into shared memory: q and k at key `tid` (KDA: the decay exp(g) at key
+        `tid`) with this warp's sums of q.q, k.k and q.k, v of the CTA's columns, and (thread t) token t's decay
+        (GDN) and beta. Every load of the group is issued before the first is used (tokens past the sequence load
+        its last one, never staged)."""
+        cfg = self.config
+        s_q, s_k, s_a, s_stat, s_v, s_tok = staging
+        loads = count if isinstance(count, int) else GROUP
+        toks = [self.clamp(tok0 + t, last) for t in range(loads)]
+        qx = [q[toks[t], h, tid].to(Float32) for t in range(loads)]
+        kx = [k[toks[t], h, tid].to(Float32) for t in range(loads)]
+        gx = []
+        if cutlass.const_expr(cfg.kda):
+            gx = [g[toks[t], hv, tid].to(Float32) for t in range(loads)]
+        vx = [v[self.clamp(tok0 + (tid + THREADS * m) // COLS, last), hv, vb * COLS + tid % COLS].to(Float32)
+              for m in range(GROUP * COLS // THREADS)]
+        mine = self.clamp(tok0 + tid % GROUP, last)   # thread t < GROUP: token t's scalars
+        bx = beta[mine, hv].to(Float32)
+        gh = Float32(0.0)
+        if cutlass.const_expr(not cfg.kda):
+            gh = g[mine, hv].to(Float32)
+        for t in cutlass.range_constexpr(loads):
+            if cutlass.const_expr(isinstance(count, int)):
+                self.stage_token(staging, t, qx[t], kx[t], gx[t] if cfg.kda else None, dt_bias, hv, tid, warp, lane,
+                                 a_head, lower_bound)
+            else:
+                if t < count:
+                    self.stage_token(staging, t, qx[t], kx[t], gx[t] if cfg.kda else None, dt_bias, hv, tid, warp,
+                                     lane, a_head, lower_bound)
+        for m in cutlass.range_constexpr(GROUP * COLS // THREADS):
+            s_v[(tid + THREADS * m) // COLS, tid % COLS] = vx[m]
+        if tid < GROUP:
+            if cutlass.const_expr(cfg.beta_sigmoid):
+                bx = sigmoid(bx)
+                if cutlass.const_expr(cfg.neg_eigval):
+                    bx = bx * Float32(2.0)
+            s_tok[tid, 1] = bx
+            if cutlass.const_expr(not cfg.kda):
+                s_tok[tid, 0] = cute.math.exp(self.gate(gh, dt_bias, hv, a_head, lower_bound), fastmath=False)
+
+    @cute.jit
+    def stage_token(self, staging, t, qx, kx, gx, dt_bias, hv, tid, warp, lane, a_head, lower_bound):
+        """Token t's q and k at key `tid` (KDA: its decay) and this warp's sums of q.q, k.k and q.k."""
+        s_q, s_k, s_a, s_stat, s_v, s_tok = staging
+        s_q[t, tid] = qx
+        s_k[t, tid] = kx
         if cutlass.const_expr(self.config.kda):
-            gx = g[tok, hv, tid].to(Float32)
-        else:
-            gx = g[tok, hv].to(Float32)
-        return (q[tok, h, tid].to(Float32), k[tok, h, tid].to(Float32), v[tok, hv, col].to(Float32),
-                beta[tok, hv].to(Float32), gx)
+            s_a[t, tid] = cute.math.exp(self.gate(gx, dt_bias, hv * self.config.head_dim + tid, a_head, lower_bound),
+                                        fastmath=False)
+        sqk = warp_sum(qx * kx)
+        if cutlass.const_expr(self.config.l2norm):   # the norms only for l2norm (q.k always: o needs it)
+            sqq = warp_sum(qx * qx)
+            skk = warp_sum(kx * kx)
+            if lane == 0:
+                s_stat[t, warp, 0] = sqq
+                s_stat[t, warp, 1] = skk
+        if lane == 0:
+            s_stat[t, warp, 2] = sqk
+
+    @cute.jit
+    def clamp(self, tok, last):
+        out = tok
+        if tok > last:
+            out = last
+        return out
 
     @cute.jit
     def gate(self, x, dt_bias: cute.Tensor, bias_index, a_head, lower_bound):

@@ -22,6 +22,9 @@ from ..kernels.configs import RecurrentConfig
 IO_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIM = 128
 MAX_SEQS = 65535   # the grid's z extent
+# Up to this many tokens per sequence (not varlen) the count is compiled in (`RecurrentConfig.tokens`); beyond, the
+# token loop reads T (at 8 tokens the unrolled loop measured slower: docs/design.md, section 12).
+STATIC_TOKENS = 4
 
 
 def _dummies(device) -> tuple:
@@ -157,7 +160,8 @@ def fused_recurrent(q, k, v, g, beta, *, kda: bool, scale=None, initial_state=No
         d_idx = d_idx if spec else d_i32
         fn = step_function(kda, HV // H, varlen, initial, final, spec, bool(use_qk_l2norm_in_kernel),
                            bool(use_gate_in_kernel), a_log is not None, bias is not None, lower_bound is not None,
-                           bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), q.dtype, g.dtype, beta.dtype)
+                           bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
+                           T if not varlen and T <= STATIC_TOKENS else 0, q.dtype, g.dtype, beta.dtype)
         # the kernel flattens [B, T, ...] itself: no view on this path
         fn(q, k, v, g, beta, a_log if a_log is not None else d_f32, bias if bias is not None else d_f32,
            h0 if h0 is not None else d_state, ht if ht is not None else d_state, cu if cu is not None else d_i32,
@@ -174,12 +178,12 @@ _functions: dict = {}
 
 def step_function(*key):
     """The compiled step for (kda, group, varlen, initial, final, spec, l2norm, gate_in_kernel, a_log, dt_bias,
-    lower_bound, beta_sigmoid, neg_eigval, io, g and beta dtypes): one dict lookup per call once built."""
+    lower_bound, beta_sigmoid, neg_eigval, tokens, io, g and beta dtypes): one dict lookup per call once built."""
     fn = _functions.get(key)
     if fn is None:
         flags, (io, g_dtype, beta_dtype) = key[:-3], key[-3:]
         names = ("kda", "group", "varlen", "initial", "final", "spec", "l2norm", "gate_in_kernel", "a_log", "dt_bias",
-                 "lower_bound", "beta_sigmoid", "neg_eigval")
+                 "lower_bound", "beta_sigmoid", "neg_eigval", "tokens")
         fn = _functions[key] = build_recurrent_step(RecurrentConfig(**dict(zip(names, flags))), io, g_dtype,
                                                     beta_dtype).fn
     return fn

@@ -62,6 +62,17 @@ def test_forced_paths_and_segments():
         PlanOptions(overlap="sometimes")
 
 
+def test_h100_calibration_keeps_large_gdn_grids_fused():
+    # H100 (calibration.json): GDN's phase 1 costs more per chunk than on the H200, so the large grids where the
+    # two measured within 8% of each other go to the fused kernel there and stay two-phase on the H200
+    for B, H, T in [(8, 32, 4096), (16, 64, 4096), (4, 64, 8192)]:
+        assert plan_forward(False, B, T, H, None, False, 132, "H100", None, AUTO).path(True) == "fused"
+        assert plan_forward(False, B, T, H, None, False, 132, "H200", None, AUTO).path(True) == "two_phase"
+    # small grids keep their segmented paths on both
+    assert plan_forward(False, 2, 8192, 16, None, False, 132, "H100", None, AUTO).path(True) == "two_phase"
+    assert plan_forward(False, 1, 4096, 16, None, False, 132, "H100", None, AUTO).path(True) == "overlap"
+
+
 def test_path_from_the_environment(monkeypatch):
     monkeypatch.setenv("CUTE_KERNELS_PATH", "fused")
     assert PlanOptions().path == "fused"

@@ -21,6 +21,7 @@
 #              (scripts/seed_cells.py; a fresh ./device_out/seed8_*.json per machine)
 #   fla8       the same cells with FLA (then seed8's comparison again, FLA beside; at least 300 s: Triton autotunes)
 #   paths      scripts/time_paths.py paths
+#   decode-splits  scripts/time_paths.py decode: the split-KV decode per scheduler and min_kv on short-KV cells
 #   sm100      the first run on an SM100 machine: sm_100a (or sm_103a) builds, every GPU test, the sanitizers, the decode, GDN and
 #              KDA sweeps; on another GPU a dry run (builds, test collection, the sweeps' grids, the sanitizer's presence)
 #   profile-CASE  one kernel under ncu's source counters, warp stalls per line of its Python (scripts/profile_lines.py:
@@ -114,6 +115,8 @@ for stage in $stages; do
         "$keep/seed8_old.json" "$keep/seed8_fla.json" ;;
     paths)
       run paths.log $t python3 scripts/time_paths.py paths ;;
+    decode-splits)   # split-KV decode per scheduler and min_kv on short-KV cells ($DECODE_SPLIT_CELLS)
+      TAIL=10 run decode_splits.log $t python3 scripts/time_paths.py decode ${DECODE_SPLIT_CELLS:-} ;;
     peers-*)   # peers-OP-GRID: ours, FLA and FlashInfer in one process; FlashQLA (if installed) in its own; merged
       spec=${stage#peers-}; op=${spec%%-*}; grid=${spec#*-}
       rm -rf "$dest/peers_main" "$dest/peers_qla"

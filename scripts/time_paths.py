@@ -6,6 +6,8 @@ beside it); prints one line each, as it goes.
     python3 scripts/time_paths.py phases   [B,H,T;...]   # phase 1 and the state pass alone
     python3 scripts/time_paths.py merges                 # every affine-merge impl, and lse_merge
     python3 scripts/time_paths.py host                   # an eager call's wall time at small T (host-bound)
+    python3 scripts/time_paths.py decode   [B,Hq,Hkv,L;...] # split-KV decode per scheduler and min_kv (how far
+                                                        # the split pays where the units' KV is short)
 
 Cells default to a few seed cells; TIME_OPS=gdn,kda picks the ops.
 """
@@ -122,6 +124,31 @@ def host():
                   f"{graph_us(lambda: op(*x)):.1f} us ({ck.last_plan().splitlines()[-1]})", flush=True)
 
 
+DECODE_CELLS = "1,32,8,512;1,32,8,1024;1,32,8,4096;1,32,4,4096;2,32,8,4096;1,32,8,16384"
+
+
+def decode(arg):
+    import cute_kernels as ck
+    from schedulers.splitkv import SplitKVScheduler, StreamKScheduler
+
+    schedulers = [("split-kv", SplitKVScheduler(min_kv=m)) for m in (256, 512, 1024, 4096)]
+    schedulers.append(("stream-k", StreamKScheduler()))
+    for B, Hq, Hkv, L in cells(arg or DECODE_CELLS):
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(B, Hq, 128, generator=gen).bfloat16().cuda()
+        k = torch.randn(B, L, Hkv, 128, generator=gen).bfloat16().cuda()
+        v = torch.randn(B, L, Hkv, 128, generator=gen).bfloat16().cuda()
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        line = []
+        for name, sched in schedulers:
+            call = lambda s=sched: ck.decode_attention(q, k, v, lens, scheduler=s)  # noqa: E731
+            call()
+            splits = ck.last_plan().splitlines()[1].split("; ")[-1]
+            line.append(f"{name}/{getattr(sched, 'min_kv', '')} {graph_us(call):.1f} us ({splits})")
+        print(f"decode B={B} Hq={Hq} Hkv={Hkv} L={L}: " + " | ".join(line), flush=True)
+
+
 if __name__ == "__main__":
     mode, arg = (sys.argv + [None, None])[1:3]
-    {"paths": paths, "phases": phases, "merges": lambda _: merges(), "host": lambda _: host()}[mode or "paths"](arg)
+    {"paths": paths, "phases": phases, "merges": lambda _: merges(), "host": lambda _: host(),
+     "decode": decode}[mode or "paths"](arg)

@@ -55,6 +55,10 @@ MERGE_RUN = "cute_kernels/paths/merge.py"
 STEP_REF = "cute_kernels/reference/recurrent_step.py"
 
 CPU_MUTANTS = [
+    # -- the inverse-first spec: the ungated inverse used without its gates
+    Mutant("ungated inverse used ungated", "inverse-first spec (reference/ungated_inverse.py)",
+           "cute_kernels/reference/ungated_inverse.py", "X = gamma * X0", "X = X0",
+           ("tests/test_reference.py@inverse_first",)),
     # -- the carry factor diag(exp(G_last)) S dropped
     Mutant("carry factor dropped", "chunked reference", REF,
            "S = _decay_by_last(S, t.decay_last, kda) + t.kg.transpose(-1, -2) @ v_new",

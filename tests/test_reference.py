@@ -807,3 +807,40 @@ def test_level0_tensor_core_forms():
         assert worst[correlated]["block8-tf32"] <= max(1.5e-3, 1.5 * worst[correlated]["block16-tf32"]), worst
     assert worst[False]["series-tf32"] <= 1e-3, worst
     assert worst[True]["series-tf32"] > 0.1, worst   # repeated keys: unusable
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the inverse-first form (reference/ungated_inverse.py): the ungated inverse gated element by element
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("regime", ["strong", "weak", "zero", "mixed"])
+@pytest.mark.parametrize("T,cu", [(1, None), (63, None), (130, None), (200, (0, 37, 64, 200))],
+                         ids=["T1", "T63", "T130", "varlen"])
+@pytest.mark.parametrize("init", [False, True], ids=["S0=0", "S0"])
+def test_inverse_first_matches_chunked(regime, T, cu, init):
+    from cute_kernels.reference.ungated_inverse import chunk_gated_delta_rule_inverse_first
+
+    B = 1 if cu else 2
+    N = len(cu) - 1 if cu else B
+    q, k, v, g, beta, s0 = _inputs(_gen("inverse-first", regime, T, init), B, T, 3, 16, 8, False, init, N=N,
+                                   regime=regime)
+    cu_t = torch.tensor(cu, dtype=torch.int32) if cu else None
+    o_ref, f_ref = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                              cu_seqlens=cu_t)
+    o, f = chunk_gated_delta_rule_inverse_first(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                                cu_seqlens=cu_t)
+    _assert_close(o, o_ref, "inverse-first o")
+    _assert_close(f, f_ref, "inverse-first final")
+    # X0 stored in bf16 (as a pass that writes it would): the error of a 16-bit operand, not of the gating
+    o16, f16 = chunk_gated_delta_rule_inverse_first(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                                    cu_seqlens=cu_t, x0_dtype=torch.bfloat16)
+    assert _rel(o16, o_ref) <= 5e-3 and _rel(f16, f_ref) <= 5e-3
+
+
+def test_inverse_first_is_gdn_only():
+    from cute_kernels.reference.ungated_inverse import chunk_gated_delta_rule_inverse_first
+
+    q, k, v, g, beta, _ = _inputs(_gen("inverse-first-kda"), 1, 8, 1, 4, 4, True, False)
+    with pytest.raises(ValueError, match="GDN"):
+        chunk_gated_delta_rule_inverse_first(q, k, v, g, beta)

@@ -56,8 +56,8 @@ STEP_REF = "cute_kernels/reference/recurrent_step.py"
 
 CPU_MUTANTS = [
     # -- the inverse-first spec: the ungated inverse used without its gates
-    Mutant("ungated inverse used ungated", "inverse-first spec (reference/ungated_inverse.py)",
-           "cute_kernels/reference/ungated_inverse.py", "X = gamma * X0", "X = X0",
+    Mutant("ungated inverse used ungated", "inverse-first chunk (reference, form='inverse_first')", REF,
+           "X = gamma * X0", "X = X0",
            ("tests/test_reference.py@inverse_first",)),
     # -- the carry factor diag(exp(G_last)) S dropped
     Mutant("carry factor dropped", "chunked reference", REF,

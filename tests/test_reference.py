@@ -810,7 +810,7 @@ def test_level0_tensor_core_forms():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the inverse-first form (reference/ungated_inverse.py): the ungated inverse gated element by element
+# the inverse-first form (chunk_gated_delta_rule_ref(form="inverse_first")): the ungated inverse, gated
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -819,8 +819,6 @@ def test_level0_tensor_core_forms():
                          ids=["T1", "T63", "T130", "varlen"])
 @pytest.mark.parametrize("init", [False, True], ids=["S0=0", "S0"])
 def test_inverse_first_matches_chunked(regime, T, cu, init):
-    from cute_kernels.reference.ungated_inverse import chunk_gated_delta_rule_inverse_first
-
     B = 1 if cu else 2
     N = len(cu) - 1 if cu else B
     q, k, v, g, beta, s0 = _inputs(_gen("inverse-first", regime, T, init), B, T, 3, 16, 8, False, init, N=N,
@@ -828,19 +826,19 @@ def test_inverse_first_matches_chunked(regime, T, cu, init):
     cu_t = torch.tensor(cu, dtype=torch.int32) if cu else None
     o_ref, f_ref = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                                               cu_seqlens=cu_t)
-    o, f = chunk_gated_delta_rule_inverse_first(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                                cu_seqlens=cu_t)
+    o, f = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu_t,
+                                      form="inverse_first")
     _assert_close(o, o_ref, "inverse-first o")
     _assert_close(f, f_ref, "inverse-first final")
     # X0 stored in bf16 (as a pass that writes it would): the error of a 16-bit operand, not of the gating
-    o16, f16 = chunk_gated_delta_rule_inverse_first(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                                    cu_seqlens=cu_t, x0_dtype=torch.bfloat16)
+    o16, f16 = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                          cu_seqlens=cu_t, form="inverse_first", x0_dtype=torch.bfloat16)
     assert _rel(o16, o_ref) <= 5e-3 and _rel(f16, f_ref) <= 5e-3
 
 
 def test_inverse_first_is_gdn_only():
-    from cute_kernels.reference.ungated_inverse import chunk_gated_delta_rule_inverse_first
-
     q, k, v, g, beta, _ = _inputs(_gen("inverse-first-kda"), 1, 8, 1, 4, 4, True, False)
     with pytest.raises(ValueError, match="GDN"):
-        chunk_gated_delta_rule_inverse_first(q, k, v, g, beta)
+        chunk_gated_delta_rule_ref(q, k, v, g, beta, form="inverse_first")
+    with pytest.raises(ValueError, match="form must be"):
+        chunk_gated_delta_rule_ref(q, k, v, g[..., 0], beta, form="ungated")

@@ -295,7 +295,30 @@ def _decay_by_last(S: torch.Tensor, decay_last: torch.Tensor, kda: bool) -> torc
     return decay_last[..., None, None] * S
 
 
-def _chunk_forward_group(q, k, v, g, beta, scale, S, chunk_size, kda):
+def _inverse_first_chunk(qc, kc, vc, gc, bc, scale, S, x0_dtype):
+    """GDN's chunk from its ungated inverse X0 = (I + strict(diag(b) k k^T))^-1 (heads-major [n, H, L, ...]
+    views): the gated Akk is D A0 D^-1 with D = diag(exp(G)), so (I + Akk)^-1 = X0 gated element by element,
+    X[r, i] = exp(G_r - G_i) X0[r, i], and v_new = X diag(b) (v - exp(G) (k S)) (w and u in one product).
+    `x0_dtype`: X0 rounded to it first, as a pass that stores it would (docs/design.md, section 11)."""
+    L = kc.shape[2]
+    eye = torch.eye(L, dtype=kc.dtype, device=kc.device)
+    A0 = (bc[..., :, None] * (kc @ kc.transpose(-1, -2))).tril(-1)
+    X0 = torch.linalg.solve_triangular(eye + A0, eye.expand_as(A0), upper=False, unitriangular=True)
+    if x0_dtype is not None:
+        X0 = X0.to(x0_dtype).to(kc.dtype)
+    G = gc.cumsum(dim=-1)
+    incl = torch.ones(L, L, dtype=torch.bool, device=kc.device).tril()
+    gamma = (G[..., :, None] - G[..., None, :]).masked_fill(~incl, -math.inf).exp()   # exp(G_r - G_i), i <= r
+    X = gamma * X0
+    eG = G.exp()[..., None]
+    v_new = X @ (bc[..., None] * (vc - eG * (kc @ S)))
+    o = scale * (eG * qc) @ S + (scale * (qc @ kc.transpose(-1, -2)) * gamma) @ v_new
+    G_last = G[..., -1]
+    kg = (G_last[..., None] - G).exp()[..., None] * kc
+    return o, G_last.exp()[..., None, None] * S + kg.transpose(-1, -2) @ v_new
+
+
+def _chunk_forward_group(q, k, v, g, beta, scale, S, chunk_size, kda, x0_dtype=None, inverse_first=False):
     """Chunked forward for a group of equal-length rows, chunked from token 0 (last chunk partial).
     q, k: [n, L, H, K]; v: [n, L, H, V]; g: [n, L, H(, K)]; beta: [n, L, H]; S: [n, H, K, V].
     Returns o [n, L, H, V] and the state after the last token."""
@@ -308,6 +331,10 @@ def _chunk_forward_group(q, k, v, g, beta, scale, S, chunk_size, kda):
         vc = v[:, c0:c1].transpose(1, 2)
         gc = g[:, c0:c1].transpose(1, 2)
         bc = beta[:, c0:c1].transpose(1, 2)
+        if inverse_first:
+            oc, S = _inverse_first_chunk(qc, kc, vc, gc, bc, scale, S, x0_dtype)
+            o[:, c0:c1] = oc.transpose(1, 2)
+            continue
         t = _chunk_terms(kc, vc, gc, bc, kda)
         if kda:
             Aqk = scale * torch.einsum("nhrd,nhid,nhrid->nhri", qc, kc, t.decay)
@@ -332,6 +359,8 @@ def chunk_gated_delta_rule_ref(
     cu_seqlens: Optional[torch.Tensor] = None,
     chunk_size: int = 64,
     compute_dtype: torch.dtype = torch.float64,
+    form: str = "solved",
+    x0_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked gated delta rule, exactly the chunked form of the design doc.
 
@@ -342,9 +371,16 @@ def chunk_gated_delta_rule_ref(
         T = (I + Akk)^{-1} Diag(b);  w = T (exp(G) k);  u = T v;  kg = exp(G_last - G) k
         v_new = u - w S;  o = scale (exp(G) q) S + Aqk v_new;  S' = Diag(exp(G_last)) S + kg^T v_new
 
+    ``form="inverse_first"`` (GDN): each chunk from its ungated inverse, gated element by element
+    (`_inverse_first_chunk`; ``x0_dtype`` rounds that inverse first), the spec of a pass not yet built.
+
     Returns ``(o [B, T, H, V], final_state [N, H, K, V] or None)`` in ``compute_dtype``.
     """
     _check_chunk_size(chunk_size)
+    if form not in ("solved", "inverse_first"):
+        raise ValueError(f"form must be 'solved' or 'inverse_first', got {form!r}")
+    if form == "inverse_first" and g.ndim != 3:
+        raise ValueError(f"g must be [B, T, H]: the inverse-first form is GDN's (got g.ndim = {g.ndim})")
     p = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, compute_dtype)
     o = p.v.new_zeros(p.B, p.T, p.H, p.V)
     final = p.k.new_empty(p.N, p.H, p.K, p.V)
@@ -353,7 +389,8 @@ def chunk_gated_delta_rule_ref(
         S = _state0(p, n0, n1)
         o_g, S = _chunk_forward_group(
             p.q[b0:b1, t0:t1], p.k[b0:b1, t0:t1], p.v[b0:b1, t0:t1],
-            p.g[b0:b1, t0:t1], p.beta[b0:b1, t0:t1], p.scale, S, chunk_size, p.kda,
+            p.g[b0:b1, t0:t1], p.beta[b0:b1, t0:t1], p.scale, S, chunk_size, p.kda, x0_dtype,
+            form == "inverse_first",
         )
         o[b0:b1, t0:t1] = o_g
         final[n0:n1] = S

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, check and time on the GPU machine in one call, by stage. From the repo root, after
 # `source .wheelhouse/b/install.sh`:
-#   bash scripts/device_check.sh [tests] [decode] [recurrent] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [sm100] [bench-OP-GRID] [peers-OP-GRID] ...
+#   bash scripts/device_check.sh [tests] [decode] [recurrent] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [paths-ab] [sm100] [bench-OP-GRID] [peers-OP-GRID] ...
 # Logs go to $OUT/logs_<stages>.tgz (one file: a call brings back at most 8), the seed8 / fla8 JSON to ./device_out (kept
 # on the machine between calls) and a copy into $OUT. Every stage runs under a hard limit (SIGINT first, so a
 # sweep writes the cells it measured), so a hung kernel cannot eat the session.
@@ -21,6 +21,7 @@
 #              (scripts/seed_cells.py; a fresh ./device_out/seed8_*.json per machine)
 #   fla8       the same cells with FLA (then seed8's comparison again, FLA beside; at least 300 s: Triton autotunes)
 #   paths      scripts/time_paths.py paths
+#   paths-ab   the same for $BASELINE and this tree, alternated twice ($PATH_CELLS: "B,H,T;..."; $TIME_OPS: gdn,kda)
 #   decode-splits  scripts/time_paths.py decode: the split-KV decode per scheduler and min_kv on short-KV cells
 #   sm100      the first run on an SM100 machine: sm_100a (or sm_103a) builds, every GPU test, the sanitizers, the decode, GDN and
 #              KDA sweeps; on another GPU a dry run (builds, test collection, the sweeps' grids, the sanitizer's presence)
@@ -115,6 +116,12 @@ for stage in $stages; do
         "$keep/seed8_old.json" "$keep/seed8_fla.json" ;;
     paths)
       run paths.log $t python3 scripts/time_paths.py paths ;;
+    paths-ab)   # time_paths paths of $BASELINE and this tree on $PATH_CELLS ($TIME_OPS), alternated twice
+      for round in 1 2; do
+        PYTHONPATH=$PWD/$baseline:$PYTHONPATH CUTE_KERNELS_AOT_DIR=$PWD/.aot_baseline TAIL=12 \
+          run paths_old_$round.log $t python3 scripts/time_paths.py paths ${PATH_CELLS:-}
+        TAIL=12 run paths_new_$round.log $t python3 scripts/time_paths.py paths ${PATH_CELLS:-}
+      done ;;
     decode-splits)   # split-KV decode per scheduler and min_kv on short-KV cells ($DECODE_SPLIT_CELLS)
       TAIL=10 run decode_splits.log $t python3 scripts/time_paths.py decode ${DECODE_SPLIT_CELLS:-} ;;
     peers-*)   # peers-OP-GRID: ours, FLA and FlashInfer in one process; FlashQLA (if installed) in its own; merged

@@ -163,6 +163,35 @@ def test_multi_token_queries(Sq, paged):
     check(q, k, v, L, table, scheduler=StreamKScheduler(ctas=5))
 
 
+def poison_past_lengths(k, v, lens, table):
+    """NaN in every cache row that no row's first `lens[b]` tokens use: the slots past each length, the rest of
+    the last page, spare pages (a stale or never-written cache). The op must never let them into o."""
+    used = torch.zeros(k.shape[:2], dtype=torch.bool, device=k.device)
+    for b, L in enumerate(lens.tolist()):
+        if table is None:
+            used[b, :L] = True
+        else:
+            page_size = k.shape[1]
+            for t0 in range(0, L, page_size):
+                used[int(table[b, t0 // page_size]), : min(page_size, L - t0)] = True
+    k[~used] = float("nan")
+    v[~used] = float("nan")
+
+
+@requires_sm90
+@pytest.mark.parametrize("Sq", [1, 4])
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("scheduler", ["split-kv", "stream-k"])
+def test_nan_past_the_lengths_never_reaches_o(scheduler, page_size, Sq):
+    sched = None if scheduler == "split-kv" else StreamKScheduler(min_kv=64)
+    lens = [4, 17, 100, 250, 1000, 0, 1999]    # boundaries inside a 16-token box, a 64-token block, a page
+    q, k, v, L, table = cache_inputs(len(lens), 32, 8, lens, Sq=Sq, Tmax=2048, page_size=page_size,
+                                     device="cuda", seed=17 + Sq)
+    poison_past_lengths(k, v, L, table)
+    check(q, k, v, L, table, scheduler=sched)
+    check(q, k, v, L, table, scheduler=SplitKVScheduler(num_splits=5), max_seqlen=2048)
+
+
 @requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dtype_scale_softcap(dtype):

@@ -43,9 +43,10 @@ class SplitKVDecodeSm100:
     - warps 0-3, softmax and epilogue (thread t owns row t: TMEM lane t): the unit's query rows into shared memory
       (row r = i * group + g; rows past group x q_len zero); per block: S from TMEM (tcgen05.ld), the masks, softcap,
       the online softmax (log2 units, the row wholly in the thread: no shuffles), P as bf16 / fp16 into shared
-      memory, and O rescaled in TMEM (tcgen05.ld / st, 32 columns at a time) once the previous P V has finished.
-      At the tile's end O from TMEM, normalized, to the output or the split's slot; the last split merges
-      (`decode_fixup`).
+      memory (in the block holding the cache's last token, V's rows past it zeroed too: their P is 0, but a stale
+      or never-written row may hold NaN), and O rescaled in TMEM (tcgen05.ld / st, 32 columns at a time) once the
+      previous P V has finished. At the tile's end O from TMEM, normalized, to the output or the split's slot;
+      the last split merges (`decode_fixup`).
     - warp 4, MMA (one elected lane issues): per block S = Q K^T (a 128 x 16 x D tcgen05 MMA per 16-token box, into
       TMEM), then O (+)= P V (a 128 x D x 16 MMA per box).
     - warp 5, load: per block (C = 32 tokens) K and V as 16-token TMA boxes (K-major K, MN-major V) into the next stage;
@@ -187,7 +188,7 @@ class SplitKVDecodeSm100:
                 self.mma(sched, load, q_full, s_full, p_full, o_full, mma_s, mma_pv, sQ, sK, sV, sP, tS, tO, mLens,
                          num_kv_heads)
             else:
-                self.softmax(sched, q_full, s_full, p_full, o_full, tidx, sQ, sP, tS, tO, st.sFlag.get_tensor(
+                self.softmax(sched, q_full, s_full, p_full, o_full, tidx, sQ, sV, sP, tS, tO, st.sFlag.get_tensor(
                     cute.make_layout(4)), mQ, mLens, mO, mLse, mOp, mLp, mCount, num_kv_heads, scale, softcap)
             # every TMEM read and MMA done (the softmax warps waited on the tile's last o_full) before the free
             tmem.relinquish_alloc_permit()
@@ -290,7 +291,7 @@ class SplitKVDecodeSm100:
                 sQ[(r, d % 16), 0, d // 16, 0] = vec[e]
 
     @cute.jit
-    def softmax(self, sched, q_full, s_full, p_full, o_full, tidx, sQ, sP, tS, tO, sFlag, mQ, mLens, mO, mLse, mOp,
+    def softmax(self, sched, q_full, s_full, p_full, o_full, tidx, sQ, sV, sP, tS, tO, sFlag, mQ, mLens, mO, mLse, mOp,
                 mLp, mCount, num_kv_heads, scale, softcap):
         """Warps 0-3: the tile's queries, every block's online softmax and O correction, and the epilogue."""
         D = self.head_dim
@@ -306,6 +307,7 @@ class SplitKVDecodeSm100:
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        l_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)   # the ring's stage
         work = sched.initial_work()
         while work.is_valid:
             if work.seg_slot >= 0:
@@ -344,6 +346,9 @@ class SplitKVDecodeSm100:
                             p = cute.math.exp2(s_vals[k][c] - base, fastmath=True)
                             row_sum = row_sum + p
                             sP[(tidx, c), 0, k, 0] = self.io_dtype(p)
+                    if t0 + C > length:   # the cache's last block: rows past its length may hold NaN
+                        self.zero_rows_past(tidx, sV, l_state.index * (C // BOX), length - t0)
+                    l_state.advance()
                     if j > 0:
                         for chunk in cutlass.range_constexpr(D // O_CHUNK):
                             cute.copy(ld_o, thr_ld_o.partition_S(tO_chunks[None, None, 0, chunk]), o_vals)
@@ -360,6 +365,17 @@ class SplitKVDecodeSm100:
                            mOp, mLp, mCount, o_full, o_state)
                 o_state.advance()
             work = sched.advance(work)
+
+    @cute.jit
+    def zero_rows_past(self, tidx, sV, box0, valid):
+        """Zero the V rows at or past position `valid` of the stage whose boxes start at `box0` (thread tidx: column
+        tidx): they lie past the cache length, their P is 0, but 0 x NaN would be NaN. Before p_full's fence."""
+        for k in cutlass.range_constexpr(C // BOX):
+            for t in cutlass.range_constexpr(BOX):
+                if k * BOX + t >= valid:
+                    for d0 in cutlass.range_constexpr(0, self.head_dim, 32 * SOFTMAX_WARPS):
+                        if d0 + tidx < self.head_dim:
+                            sV[((d0 + tidx), t), 0, 0, box0 + k] = self.io_dtype(0.0)
 
     @cute.jit
     def store(self, work, tidx, blocks, ld_o, thr_ld_o, tO_chunks, o_vals, row_max, row_sum, sFlag, mO, mLse, mOp,

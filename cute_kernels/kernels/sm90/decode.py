@@ -32,11 +32,12 @@ class SplitKVDecodeSm90:
     Warp roles (160 threads):
     - warps 0-3, the consumer warpgroup: the unit's query rows (row r = i * group + g: query head kv_head * group
       + g of new token i; rows past group x q_len are zero) into shared memory; per KV block S = Q K^T (four
-      64 x 16 x D wgmmas, one per 16-token box), the masks (the split's end, the cache length, causal new
-      tokens), softcap, the online softmax in registers (log2 units; a row's values sit in the 4 lanes of a
-      quad), O += P V (four 64 x D x 16 RS wgmmas, P from registers). At the tile's end: a unit with one split
-      stores o and lse; otherwise o (normalized, fp32) and lse go to the split's slot and the last split to
-      finish merges the unit (`decode_fixup.is_last_split`, `merge_unit`).
+      64 x 16 x D wgmmas, one per 16-token box; in the block holding the cache's last token, V's rows past it
+      zeroed first: their P is 0, but a stale or never-written row may hold NaN), the masks (the split's end,
+      the cache length, causal new tokens), softcap, the online softmax in registers (log2 units; a row's values
+      sit in the 4 lanes of a quad), O += P V (four 64 x D x 16 RS wgmmas, P from registers). At the tile's
+      end: a unit with one split stores o and lse; otherwise o (normalized, fp32) and lse go to the split's slot
+      and the last split to finish merges the unit (`decode_fixup.is_last_split`, `merge_unit`).
     - warp 4, the producer: per block, K and V as four 16-token TMA boxes each into the next stage. A box's
       cache row is page * page_size + t % page_size, page = page_table[b, t // page_size] (paged) or b (a
       contiguous [B, Tmax] cache: page_size = Tmax); boxes past the cache length re-read the last one (masked).
@@ -121,7 +122,8 @@ class SplitKVDecodeSm90:
                           wt.smem_view(st.sV, io, BOX, D, ns * 4), mLens, mPages, page_size, num_kv_heads)
         else:
             self.consumer(sched, load, tidx, wt.smem_view(st.sQ, io, ROWS, D),
-                          wt.smem_view(st.sK, io, BOX, D, ns * 4), wt.smem_view(st.sV, io, BOX, D, ns * 4, True),
+                          wt.smem_view(st.sK, io, BOX, D, ns * 4), wt.smem_view(st.sV, io, BOX, D, ns * 4),
+                          wt.smem_view(st.sV, io, BOX, D, ns * 4, True),
                           st.sFlag.get_tensor(cute.make_layout(4)), mQ, mLens, mO, mLse, mOp, mLp, mCount,
                           num_kv_heads, scale, softcap)
 
@@ -171,7 +173,7 @@ class SplitKVDecodeSm90:
             cute.copy(tiled, frag, tQ[None, m, None])
 
     @cute.jit
-    def consumer(self, sched, load, wtid, sQ, sK, sV_mn, sFlag, mQ, mLens, mO, mLse, mOp, mLp, mCount,
+    def consumer(self, sched, load, wtid, sQ, sK, sV, sV_mn, sFlag, mQ, mLens, mO, mLse, mOp, mLp, mCount,
                  num_kv_heads, scale, softcap):
         """The attention of every tile (see the class docstring). Accumulator values: index i of a 64 x n wgmma
         fragment is row half (i // 2) % 2 of the thread's two rows (r, r + 8)."""
@@ -198,6 +200,8 @@ class SplitKVDecodeSm90:
                 for j in cutlass.range(blocks, unroll=1):
                     load.consumer_wait(state)
                     box0 = state.index * (C // BOX)
+                    if kv0 + j * C + C > length:   # the cache's last block: rows past its length may hold NaN
+                        self.zero_rows_past(wtid, sV, box0, length - kv0 - j * C)
                     acc_s = [cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, BOX)), Float32)
                              for _ in range(C // BOX)]
                     for k in cutlass.range_constexpr(C // BOX):
@@ -214,6 +218,28 @@ class SplitKVDecodeSm90:
                     state.advance()
                 self.store(work, wtid, acc_o, cc_o, row_max, row_sum, sFlag, mO, mLse, mOp, mLp, mCount)
             work = sched.advance(work)
+
+    @cute.jit
+    def zero_rows_past(self, wtid, sV, box0, valid):
+        """Zero the V rows at or past position `valid` of the stage whose boxes start at `box0`: they lie past the
+        cache length (a box re-read, a stale or never-written cache row), their P is 0, but 0 x NaN would be NaN."""
+        io, D = self.io_dtype, self.head_dim
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), io, num_bits_per_copy=128)
+        vecs = D // 8
+        tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((128 // vecs, vecs), stride=(vecs, 1)),
+                                        cute.make_layout((1, 8)))
+        thr = tiled.get_slice(wtid)
+        crd = thr.partition_D(cute.make_identity_tensor((BOX, D)))
+        zeros = cute.make_rmem_tensor_like(thr.partition_D(sV[None, None, 0])[None, 0, None])
+        zeros.fill(0.0)
+        for k in cutlass.range_constexpr(C // BOX):
+            tV = thr.partition_D(sV[None, None, box0 + k])
+            for m in cutlass.range_constexpr(cute.size(tV, mode=[1])):
+                r, _ = crd[0, m, 0]
+                if k * BOX + r >= valid:
+                    cute.copy(tiled, zeros, tV[None, m, None])
+        cute.arch.fence_proxy("async.shared", space="cta")   # the zeros, before the wgmmas read sV
+        cute.arch.barrier(barrier_id=1, number_of_threads=128)
 
     @cute.jit
     def online_softmax(self, acc_s, cc_s, acc_o, row_max, row_sum, t0, kv_end, length, scale, softcap):

@@ -85,14 +85,15 @@ def test_plan_is_cached_and_planned_from_the_bound():
     a = dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132)
     b = dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132)
     assert a is b
-    schedule, config = a
+    schedule, config, even = a
     assert config.group == 4 and not config.persistent and not config.paged
+    assert even == (schedule.plan.splits[0], 64), even   # the kernel's tiles from the CTA index
     # 32 units x 64 blocks on 132 SMs x 2: each unit split so there are >= 264 CTAs, each >= 256 tokens
     splits = schedule.plan.splits
     assert len(splits) == 32 and len(set(splits)) == 1 and schedule.num_tiles >= 264 - 32
     assert 4096 // splits[0] >= 256
-    s, c = dec.plan_decode(4, 8, 4, 1, 4096, True, False, 132, StreamKScheduler())
-    assert c.persistent and c.paged and s.grid[0] <= 264
+    s, c, even = dec.plan_decode(4, 8, 4, 1, 4096, True, False, 132, StreamKScheduler())
+    assert c.persistent and c.paged and s.grid[0] <= 264 and even == (0, 0)
     # every field of the scheduler is in the cache key
     loose = dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132, SplitKVScheduler(divide_slack=0.5))
     assert loose is not dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132, SplitKVScheduler(divide_slack=0.0))
@@ -205,7 +206,7 @@ def test_many_splits_long_cache():
     # one row, one KV head: the split count is large, and stream-K ranges end mid-unit
     q, k, v, lens, _ = cache_inputs(1, 8, 1, [65536 + 37], device="cuda", seed=3)
     check(q, k, v, lens)
-    schedule, _ = dec.plan_decode(1, 1, 8, 1, 65536 + 37, False, False, torch.cuda.get_device_properties(0)
+    schedule, _, _ = dec.plan_decode(1, 1, 8, 1, 65536 + 37, False, False, torch.cuda.get_device_properties(0)
                                   .multi_processor_count)
     assert schedule.plan.splits[0] >= 64
     check(q, k, v, lens, scheduler=StreamKScheduler())

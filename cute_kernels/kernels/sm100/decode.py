@@ -14,7 +14,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from schedulers.device import TileScheduler
+from schedulers.device import EvenSplitScheduler, TileScheduler
 
 from ..configs import DecodeConfig
 from ..decode_fixup import box_row, is_last_split, masked_score, merge_unit, split_range, unit_rows
@@ -92,7 +92,8 @@ class SplitKVDecodeSm100:
         lse_part: cute.Tensor,       # [slots, 64] fp32
         counters: cute.Tensor,       # [units] int32, 0 between calls
         tiles: cute.Tensor,          # [num_tiles, NUM_TILE_FIELDS] int32
-        num_tiles: Int32, grid_x: Int32, scale: Float32, softcap: Float32, stream,
+        num_tiles: Int32, splits: Int32, unit_blocks: Int32, grid_x: Int32, scale: Float32, softcap: Float32,
+        stream,
     ):
         io, D, ns = self.io_dtype, self.head_dim, self.num_stages
         mma_s = self._mma(BOX, False)     # S box = Q K_box^T: N = 16 tokens, K = D
@@ -128,7 +129,7 @@ class SplitKVDecodeSm100:
         check_smem(self.smem_bytes, CTAS_PER_SM, "SplitKVDecodeSm100")
         self.kernel(mma_s, mma_pv, q_layout, k_layout, v_layout, p_layout, tma_k, tma_k_t, tma_v, tma_v_t, q,
                     cache_seqlens, page_table, k_cache.shape[1], unit_rows(o, self.group), unit_rows(lse, self.group),
-                    o_part, lse_part, counters, tiles, num_tiles, scale, softcap).launch(
+                    o_part, lse_part, counters, tiles, num_tiles, splits, unit_blocks, scale, softcap).launch(
             grid=[grid_x, 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=CTAS_PER_SM,
             preferred_smem_carveout=100)   # a fixed carveout: no device query when compiling
 
@@ -138,7 +139,7 @@ class SplitKVDecodeSm100:
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor, mQ: cute.Tensor,
                mLens: cute.Tensor, mPages: cute.Tensor, page_size: Int32, mO: cute.Tensor, mLse: cute.Tensor,
                mOp: cute.Tensor, mLp: cute.Tensor, mCount: cute.Tensor, mTiles: cute.Tensor, num_tiles: Int32,
-               scale: Float32, softcap: Float32):
+               splits: Int32, unit_blocks: Int32, scale: Float32, softcap: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         io, ns = self.io_dtype, self.num_stages
@@ -166,7 +167,10 @@ class SplitKVDecodeSm100:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        sched = TileScheduler.create(mTiles, num_tiles, self.config.persistent)
+        if cutlass.const_expr(self.config.persistent):   # stream-K: the table
+            sched = TileScheduler.create(mTiles, num_tiles, True)
+        else:   # an even split: the tile from the CTA index, nothing read before the first load
+            sched = EvenSplitScheduler.create(splits, unit_blocks, num_tiles)
         num_kv_heads = mQ.shape[2] // self.group
         if warp_idx == LOAD_WARP:
             cpasync.prefetch_descriptor(tma_k)

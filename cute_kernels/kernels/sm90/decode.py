@@ -13,7 +13,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from schedulers.device import TileScheduler
+from schedulers.device import EvenSplitScheduler, TileScheduler
 
 from ..configs import DECODE_ROWS, DecodeConfig
 from ..decode_fixup import box_row, is_last_split, masked_score, merge_unit, split_range, unit_rows
@@ -71,7 +71,8 @@ class SplitKVDecodeSm90:
         lse_part: cute.Tensor,       # [slots, 64] fp32
         counters: cute.Tensor,       # [units] int32, 0 between calls
         tiles: cute.Tensor,          # [num_tiles, NUM_TILE_FIELDS] int32
-        num_tiles: Int32, grid_x: Int32, scale: Float32, softcap: Float32, stream,
+        num_tiles: Int32, splits: Int32, unit_blocks: Int32, grid_x: Int32, scale: Float32, softcap: Float32,
+        stream,
     ):
         io, D, ns = self.io_dtype, self.head_dim, self.num_stages
         k_rows = wt.thd(wt.flat(k_cache))    # (row, D, Hkv): row = page * page_size + slot
@@ -92,7 +93,7 @@ class SplitKVDecodeSm90:
         self.shared_storage = SharedStorage
         self.kernel(tma_k, tma_k_t, tma_v, tma_v_t, q, cache_seqlens, page_table, k_cache.shape[1],
                     unit_rows(o, self.group), unit_rows(lse, self.group), o_part, lse_part, counters, tiles,
-                    num_tiles, scale, softcap).launch(
+                    num_tiles, splits, unit_blocks, scale, softcap).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=2,
             preferred_smem_carveout=100)   # a fixed carveout: no device query when compiling
 
@@ -100,7 +101,7 @@ class SplitKVDecodeSm90:
     def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor, mQ: cute.Tensor,
                mLens: cute.Tensor, mPages: cute.Tensor, page_size: Int32, mO: cute.Tensor, mLse: cute.Tensor,
                mOp: cute.Tensor, mLp: cute.Tensor, mCount: cute.Tensor, mTiles: cute.Tensor, num_tiles: Int32,
-               scale: Float32, softcap: Float32):
+               splits: Int32, unit_blocks: Int32, scale: Float32, softcap: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = cutlass.memory.SmemAllocator()
@@ -113,7 +114,10 @@ class SplitKVDecodeSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
             tx_count=self.tma_bytes,
         )
-        sched = TileScheduler.create(mTiles, num_tiles, self.config.persistent)
+        if cutlass.const_expr(self.config.persistent):   # stream-K: the table
+            sched = TileScheduler.create(mTiles, num_tiles, True)
+        else:   # an even split: the tile from the CTA index, nothing read before the first load
+            sched = EvenSplitScheduler.create(splits, unit_blocks, num_tiles)
         num_kv_heads = mQ.shape[2] // self.group
         if warp_idx == 4:
             cpasync.prefetch_descriptor(tma_k)

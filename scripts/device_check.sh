@@ -15,7 +15,8 @@
 #   mutations  planted kernel bugs, each caught by the GPU tests (scripts/mutations.py --gpu; $MUTATION_ONLY: --only)
 #   compare    outputs of every path bitwise against the tree in $BASELINE (default .baseline: an older export)
 #   decode-ab  the decode steps (GDN, KDA) of $BASELINE (and the exported trees in $VARIANTS) and this tree on
-#              $DECODE_CELLS of the full grid, alternated twice, FLA beside (its times: the rounds' drift)
+#              $DECODE_CELLS of the full grid, alternated twice, FLA beside (its times: the rounds' drift);
+#              $DECODE_OPS="decode": decode attention on $ATTN_CELLS instead, torch SDPA beside
 #   seed8      eight seed cells per op ($SEED_OPS: gdn,kda; $SEED_FORMS: plain,gate,l2norm), $BASELINE and this tree
 #              alternated, then the comparison
 #              (scripts/seed_cells.py; a fresh ./device_out/seed8_*.json per machine)
@@ -87,7 +88,10 @@ for stage in $stages; do
         run compare_save.log $t python3 scripts/compare_builds.py save /tmp/baseline_outputs.pt
       TAIL=40 run compare_check.log $t python3 scripts/compare_builds.py check /tmp/baseline_outputs.pt ;;
     decode-ab)   # the decode steps of $BASELINE and this tree on $DECODE_CELLS, alternated twice (FLA beside)
-      for op in gdn_decode kda_decode; do
+      for op in ${DECODE_OPS:-gdn_decode kda_decode}; do
+        # decode attention: its own cells ($ATTN_CELLS: B = 1, 2, 4 at 512-16K, Hkv 8 and 4, paged, ragged), SDPA beside
+        peer=fla; cells=${DECODE_CELLS:-68:72,8,10,11,56,58,59}
+        [ "$op" = decode ] && peer=sdpa && cells=${ATTN_CELLS:-0,1,2,3,6,8,14,42,44,45,168,180}
         for round in 1 2; do
           # -P: no working folder on sys.path, so the baseline's cute_kernels comes first (benchmarks from here);
           # $VARIANTS: more exported trees, each timed the same way (AOT entries are keyed by their sources)
@@ -95,10 +99,10 @@ for stage in $stages; do
             tag=$([ "$tree" = "$baseline" ] && echo old || basename "$tree" | tr -d .)
             PYTHONPATH=$PWD/$tree:$PYTHONPATH CUTE_KERNELS_AOT_DIR=$PWD/.aot_baseline TAIL=12 \
               run "${op}_${tag}_$round.log" $t python3 -P -m benchmarks.sweep --op $op --grid full \
-              --cells "${DECODE_CELLS:-68:72,8,10,11,56,58,59}" --peers fla --out /tmp/decode_$tag
+              --cells "$cells" --peers $peer --out /tmp/decode_$tag
           done
           TAIL=12 run "${op}_new_$round.log" $t python3 -m benchmarks.sweep --op $op --grid full \
-            --cells "${DECODE_CELLS:-68:72,8,10,11,56,58,59}" --peers fla --out /tmp/decode_new
+            --cells "$cells" --peers $peer --out /tmp/decode_new
         done
       done ;;
     seed8)

@@ -71,6 +71,7 @@ def test_ptx_contents(compiled_dir):
     ptx = (out / f"decode_g8_q1_bfloat16.{arch}.ptx").read_text()
     assert "cp.async.bulk.tensor" in ptx and ptx.count("atom.global.add") == 1
     assert ptx.count("fence.acq_rel.gpu") == 2, ptx.count("fence.acq_rel.gpu")
+    assert "griddepcontrol.wait" in ptx   # launched early (PDL): waits before any global access
 
 
 def test_cli_rejects_unknown_op(tmp_path):

@@ -222,6 +222,36 @@ def test_lengths_below_the_planned_bound():
 
 
 @requires_sm90
+@pytest.mark.parametrize("graph", [False, True])
+def test_back_to_back_calls_share_counters_safely(graph):
+    """Calls launched early (PDL) overlap the previous call's tail: each must still wait for it before touching
+    the counters, the partials or its inputs. Five calls in a row, each with its own q and output, one cache."""
+    q, k, v, lens, _ = cache_inputs(2, 32, 8, [4096, 3000], device="cuda", seed=23)
+    qs = [torch.randn_like(q) for _ in range(5)]
+    outs = [torch.empty_like(q) for _ in range(5)]
+
+    def calls():
+        for qi, oi in zip(qs, outs):
+            ck.decode_attention(qi, k, v, lens, max_seqlen=4096, out=(oi, None))
+
+    calls()
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            calls()
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+    for qi, oi in zip(qs, outs):
+        ref_o, _ = decode_attention_ref(qi.cpu(), k.cpu(), v.cpu(), lens.cpu())
+        assert not oi.isnan().any() and rel_err(oi, ref_o) < 5e-3, rel_err(oi, ref_o)
+    for counts in dec._counters.values():
+        assert int(counts.abs().sum()) == 0, "a fixup counter was left non-zero"
+
+
+@requires_sm90
 @pytest.mark.parametrize("scheduler", ["split-kv", "stream-k"])
 def test_cuda_graph_replay_with_changed_lengths(scheduler):
     sched = None if scheduler == "split-kv" else StreamKScheduler()

@@ -131,7 +131,7 @@ class SplitKVDecodeSm100:
                     cache_seqlens, page_table, k_cache.shape[1], unit_rows(o, self.group), unit_rows(lse, self.group),
                     o_part, lse_part, counters, tiles, num_tiles, splits, unit_blocks, scale, softcap).launch(
             grid=[grid_x, 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=CTAS_PER_SM,
-            preferred_smem_carveout=100)   # a fixed carveout: no device query when compiling
+            preferred_smem_carveout=100, use_pdl=True)   # a fixed carveout: no device query when compiling
 
     @cute.kernel
     def kernel(self, mma_s: cute.TiledMma, mma_pv: cute.TiledMma, q_layout: cute.ComposedLayout,
@@ -175,6 +175,11 @@ class SplitKVDecodeSm100:
         if warp_idx == LOAD_WARP:
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
+        # launched early (PDL): the setup above overlaps the previous kernel's tail; every thread waits for that
+        # kernel before touching global memory, and the next launch may start its own setup
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        if warp_idx == LOAD_WARP:
             self.producer(sched, load, mma_s, mma_pv, tma_k, mK, tma_v, mV, sK, sV, mLens, mPages, page_size,
                           num_kv_heads)
         else:

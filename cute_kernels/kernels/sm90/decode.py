@@ -95,7 +95,7 @@ class SplitKVDecodeSm90:
                     unit_rows(o, self.group), unit_rows(lse, self.group), o_part, lse_part, counters, tiles,
                     num_tiles, splits, unit_blocks, scale, softcap).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=2,
-            preferred_smem_carveout=100)   # a fixed carveout: no device query when compiling
+            preferred_smem_carveout=100, use_pdl=True)   # a fixed carveout: no device query when compiling
 
     @cute.kernel
     def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor, mQ: cute.Tensor,
@@ -122,6 +122,11 @@ class SplitKVDecodeSm90:
         if warp_idx == 4:
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
+        # launched early (PDL): the setup above overlaps the previous kernel's tail; every thread waits for that
+        # kernel before touching global memory, and the next launch may start its own setup
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        if warp_idx == 4:
             self.producer(sched, load, tma_k, mK, tma_v, mV, wt.smem_view(st.sK, io, BOX, D, ns * 4),
                           wt.smem_view(st.sV, io, BOX, D, ns * 4), mLens, mPages, page_size, num_kv_heads)
         else:

@@ -32,7 +32,19 @@ def grid_shape(schedule) -> tuple[int, int, int]:
     return tuple(schedule.grid)
 
 
-class WorkTileDevice:
+class _SegmentFlags:
+    """`is_first_segment` / `is_last_segment` of a work tile with `segment` and `num_segments`."""
+
+    @property
+    def is_first_segment(self):
+        return self.segment == 0
+
+    @property
+    def is_last_segment(self):
+        return self.segment == self.num_segments - 1
+
+
+class WorkTileDevice(_SegmentFlags):
     """A work tile's fields as Int32 values, read from the tile table, plus a validity flag. Carried through
     `while` loops: it flattens to its index only (fields are re-read from the table)."""
 
@@ -59,14 +71,6 @@ class WorkTileDevice:
     chunk_end = property(lambda self: self.field("chunk_end"))
     tok_start = property(lambda self: self.field("tok_start"))
     tok_end = property(lambda self: self.field("tok_end"))
-
-    @property
-    def is_first_segment(self):
-        return self.segment == 0
-
-    @property
-    def is_last_segment(self):
-        return self.segment == self.num_segments - 1
 
     def __extract_mlir_values__(self):
         return [self.index.ir_value()]
@@ -108,7 +112,7 @@ class TileScheduler:
         return self
 
 
-class EvenSplitTile:
+class EvenSplitTile(_SegmentFlags):
     """A work tile of an even split plan, its fields computed from its index (`even_split_fields`): unit `seq`,
     split `segment` of `num_segments`, KV blocks [chunk_start, chunk_end), slot `seg_slot` = its index."""
 
@@ -124,14 +128,6 @@ class EvenSplitTile:
     @property
     def is_valid(self):
         return self.index < self._num_tiles
-
-    @property
-    def is_first_segment(self):
-        return self.segment == 0
-
-    @property
-    def is_last_segment(self):
-        return self.segment == self.num_segments - 1
 
     def __extract_mlir_values__(self):
         return [self.index.ir_value()]

@@ -159,17 +159,21 @@ class SplitKVDecodeSm90:
             work = sched.advance(work)
         load.producer_tail(state)
 
+    def row_copy(self, wtid):
+        """(tiled copy, thread wtid's slice) of 16-byte row pieces over the consumer warpgroup: the q rows' stores
+        and the zeroed V rows."""
+        vecs = self.head_dim // 8
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.io_dtype, num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((128 // vecs, vecs), stride=(vecs, 1)),
+                                        cute.make_layout((1, 8)))
+        return tiled, tiled.get_slice(wtid)
+
     @cute.jit
     def load_q(self, wtid, mQ, b, kv_head, sQ):
         """The unit's query rows into sQ [64 x D] (16-byte vectors; rows past group x q_len zero)."""
-        io, D = self.io_dtype, self.head_dim
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), io, num_bits_per_copy=128)
-        vecs = D // 8
-        tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((128 // vecs, vecs), stride=(vecs, 1)),
-                                        cute.make_layout((1, 8)))
-        thr = tiled.get_slice(wtid)
+        tiled, thr = self.row_copy(wtid)
         tQ = thr.partition_D(sQ[None, None, 0])
-        crd = thr.partition_D(cute.make_identity_tensor((ROWS, D)))
+        crd = thr.partition_D(cute.make_identity_tensor((ROWS, self.head_dim)))
         for m in cutlass.range_constexpr(cute.size(tQ, mode=[1])):
             r, d0 = crd[0, m, 0]
             frag = cute.make_rmem_tensor_like(tQ[None, m, None])
@@ -232,13 +236,8 @@ class SplitKVDecodeSm90:
     def zero_rows_past(self, wtid, sV, box0, valid):
         """Zero the V rows at or past position `valid` of the stage whose boxes start at `box0`: they lie past the
         cache length (a box re-read, a stale or never-written cache row), their P is 0, but 0 x NaN would be NaN."""
-        io, D = self.io_dtype, self.head_dim
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), io, num_bits_per_copy=128)
-        vecs = D // 8
-        tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((128 // vecs, vecs), stride=(vecs, 1)),
-                                        cute.make_layout((1, 8)))
-        thr = tiled.get_slice(wtid)
-        crd = thr.partition_D(cute.make_identity_tensor((BOX, D)))
+        tiled, thr = self.row_copy(wtid)
+        crd = thr.partition_D(cute.make_identity_tensor((BOX, self.head_dim)))
         zeros = cute.make_rmem_tensor_like(thr.partition_D(sV[None, None, 0])[None, 0, None])
         zeros.fill(0.0)
         for k in cutlass.range_constexpr(C // BOX):

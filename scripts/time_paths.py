@@ -131,7 +131,7 @@ def decode(arg):
     import cute_kernels as ck
     from schedulers.splitkv import SplitKVScheduler, StreamKScheduler
 
-    schedulers = [("split-kv", SplitKVScheduler(min_kv=m)) for m in (256, 512, 1024, 4096)]
+    schedulers = [("split-kv", SplitKVScheduler(min_kv=m)) for m in (64, 128, 256, 512, 1024, 4096)]
     schedulers.append(("stream-k", StreamKScheduler()))
     for B, Hq, Hkv, L in cells(arg or DECODE_CELLS):
         gen = torch.Generator().manual_seed(0)

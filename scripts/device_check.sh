@@ -35,7 +35,7 @@ dest=${OUT:-device_out}
 out=$dest/logs
 keep=$PWD/device_out
 mkdir -p "$out" "$keep"
-export PYTHONUNBUFFERED=1 CUTE_KERNELS_DUMP_DIR=${CUTE_KERNELS_DUMP_DIR:-/tmp/ck_dump}
+export PYTHONUNBUFFERED=1
 baseline=${BASELINE:-.baseline}
 stages=${*:-tests}
 status=0
@@ -43,6 +43,7 @@ t=${STAGE_TIMEOUT:-300}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$out/gpu.txt"
 # Compiled kernels on disk (cute_kernels/runtime/aot.py) in ./.aot: every process of this call, and of later calls
 # while the machine stays warm, compiles each kernel once (a carried .aot filled on the CPU machine counts too).
+# CUTE_KERNELS_DUMP_DIR stays unset here: a process with a dump directory compiles every kernel afresh.
 export CUTE_KERNELS_AOT_DIR=$PWD/.aot CUTE_KERNELS_AOT_WRITE=1
 mkdir -p .aot
 echo "AOT kernels in .aot: $(ls .aot | wc -l)"

@@ -2,8 +2,9 @@
 
 Host half (pure Python): `Problem` -> `SequenceScheduler` / `SegmentScheduler` / `PersistentScheduler`
 -> `Schedule` (ordered tile table + grid); `plan_segments` picks segment counts and explains why.
-Device half (CuTe DSL, imported lazily): `schedulers.device.TileScheduler`, the one object every kernel reads
-its work through (`initial_work`, `advance`; `grid_shape` on the host).
+Device half (CuTe DSL, imported lazily): `schedulers.device.TileScheduler`, the one protocol every kernel reads
+its work through (`initial_work`, `advance`; `grid_shape` on the host); `EvenSplitScheduler` is the same protocol
+for an even split-KV plan, each tile computed from the CTA index (`splitkv.even_split_fields`) with no table.
 """
 
 from .heuristics import (SegmentCost, SegmentPlan, plan_segments, plan_segments_by_cost, segmented_cost_us,

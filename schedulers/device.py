@@ -11,6 +11,10 @@ Inside a `@cute.kernel`:
 `tile_table` is a Schedule's int32 table [num_tiles, NUM_TILE_FIELDS] (columns `TILE_FIELDS`), `num_tiles`
 its row count. Non-persistent grids give CTA b tile b; persistent grids give CTA b tiles b, b + grid, ...
 Host side: `grid_shape(schedule)`.
+
+`EvenSplitScheduler.create(splits, blocks, num_tiles)` is the same protocol for a split-KV plan whose table is
+`splits.even_split_fields` of the row index (`even_split_shape(schedule)`): CTA b computes its tile from b, so
+nothing is read before its first load.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from .problem import TILE_FIELDS
+from .splitkv import even_split_fields
 
 
 def grid_shape(schedule) -> tuple[int, int, int]:
@@ -27,7 +32,19 @@ def grid_shape(schedule) -> tuple[int, int, int]:
     return tuple(schedule.grid)
 
 
-class WorkTileDevice:
+class _SegmentFlags:
+    """`is_first_segment` / `is_last_segment` of a work tile with `segment` and `num_segments`."""
+
+    @property
+    def is_first_segment(self):
+        return self.segment == 0
+
+    @property
+    def is_last_segment(self):
+        return self.segment == self.num_segments - 1
+
+
+class WorkTileDevice(_SegmentFlags):
     """A work tile's fields as Int32 values, read from the tile table, plus a validity flag. Carried through
     `while` loops: it flattens to its index only (fields are re-read from the table)."""
 
@@ -54,14 +71,6 @@ class WorkTileDevice:
     chunk_end = property(lambda self: self.field("chunk_end"))
     tok_start = property(lambda self: self.field("tok_start"))
     tok_end = property(lambda self: self.field("tok_end"))
-
-    @property
-    def is_first_segment(self):
-        return self.segment == 0
-
-    @property
-    def is_last_segment(self):
-        return self.segment == self.num_segments - 1
 
     def __extract_mlir_values__(self):
         return [self.index.ir_value()]
@@ -96,6 +105,57 @@ class TileScheduler:
         return work
 
     # Loop-invariant: nothing to carry through `while` loops (its values are defined before the loop).
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+
+class EvenSplitTile(_SegmentFlags):
+    """A work tile of an even split plan, its fields computed from its index (`even_split_fields`): unit `seq`,
+    split `segment` of `num_segments`, KV blocks [chunk_start, chunk_end), slot `seg_slot` = its index."""
+
+    def __init__(self, index, splits, blocks, num_tiles):
+        self.index = Int32(index)
+        self._splits, self._blocks, self._num_tiles = splits, blocks, num_tiles
+        self.seq, self.segment, self.chunk_start, self.chunk_end = even_split_fields(self.index, splits, blocks)
+        self.num_segments = splits
+        self.seg_slot = self.index
+        self.head = Int32(0)
+        self.block = Int32(0)
+
+    @property
+    def is_valid(self):
+        return self.index < self._num_tiles
+
+    def __extract_mlir_values__(self):
+        return [self.index.ir_value()]
+
+    def __new_from_mlir_values__(self, values):
+        return EvenSplitTile(Int32(values[0]), self._splits, self._blocks, self._num_tiles)
+
+
+class EvenSplitScheduler:
+    """Device-side scheduler of an even split plan, one tile per CTA, no table (see the module docstring)."""
+
+    def __init__(self, splits, blocks, num_tiles):
+        self.splits, self.blocks, self.num_tiles = splits, blocks, num_tiles
+
+    @staticmethod
+    def create(splits, blocks, num_tiles) -> "EvenSplitScheduler":
+        return EvenSplitScheduler(splits, blocks, num_tiles)
+
+    def initial_work(self) -> EvenSplitTile:
+        bid, _, _ = cute.arch.block_idx()
+        return EvenSplitTile(bid, self.splits, self.blocks, self.num_tiles)
+
+    def advance(self, work: EvenSplitTile) -> EvenSplitTile:
+        return EvenSplitTile(self.num_tiles, self.splits, self.blocks, self.num_tiles)
+
+    def get_current_work(self, work: EvenSplitTile) -> EvenSplitTile:
+        return work
+
     def __extract_mlir_values__(self):
         return []
 

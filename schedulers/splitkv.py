@@ -168,6 +168,32 @@ class StreamKScheduler:
         return Schedule(table, (ctas, 1, 1), True, seg, self.name, plan)
 
 
+def even_split_fields(index, splits, blocks):
+    """Tile `index` of an even split plan (every unit `blocks` KV blocks cut `splits` ways, tiles in (unit,
+    split) order): (unit, split, first block, end block). Plain arithmetic, so the device scheduler runs the same
+    function on Int32 values (`schedulers.device.EvenSplitScheduler`) and the host tests check it against the
+    table `SplitKVScheduler` writes."""
+    unit = index // splits
+    split = index - unit * splits
+    return unit, split, (split * blocks) // splits, ((split + 1) * blocks) // splits
+
+
+def even_split_shape(schedule: Schedule) -> tuple[int, int] | None:
+    """(splits, blocks per unit) when the schedule's table is `even_split_fields` of its row index (one CTA per
+    tile, every unit the same block count and split count); else None (stream-K, or units of several lengths)."""
+    plan = getattr(schedule, "plan", None)
+    if schedule.persistent or not isinstance(plan, DecodePlan) or not plan.splits:
+        return None
+    if len(set(plan.splits)) != 1 or len(set(plan.blocks_per_unit)) != 1:
+        return None
+    splits, blocks = plan.splits[0], plan.blocks_per_unit[0]
+    for i, t in enumerate(schedule.tiles):
+        if (t.seq, t.segment, t.chunk_start, t.chunk_end) != even_split_fields(i, splits, blocks) or \
+                t.seg_slot != i or t.num_segments != splits:
+            return None
+    return splits, blocks
+
+
 def _even(num_chunks: int, num_splits: int) -> list[int]:
     """Bounds of near-equal splits (a unit with no blocks keeps one empty split: o = 0, lse = -inf)."""
     if num_chunks <= 0:

@@ -196,6 +196,8 @@ FIXUP = "cute_kernels/kernels/decode_fixup.py"
 G_DECODE = ("tests/test_decode.py@contiguous_gqa and 32-8",)
 G_DECODE_PAGED = ("tests/test_decode.py@paged and 16",)
 G_DECODE_CAUSAL = ("tests/test_decode.py@multi_token and 4 and False",)
+G_DECODE_NAN = ("tests/test_decode.py@nan_past and split-kv",)
+DECODE_SM90 = "cute_kernels/kernels/sm90/decode.py"
 GPU_MUTANTS = [
     Mutant("carry factor dropped", "state pass (GDN)", STATE, "acc_s[i] = acc_s[i] * dg", "acc_s[i] = acc_s[i]",
            G_STATE, True),
@@ -264,6 +266,8 @@ GPU_MUTANTS = [
            "visible = visible and t < length - config.q_len + row // config.group", G_DECODE_CAUSAL, True),
     Mutant("last partial block's length taken as 64", "decode split range (decode_fixup.split_range)", FIXUP,
            "    if kv_end > length:\n        kv_end = length\n", "", G_DECODE, True),
+    Mutant("V rows past the cache length left as loaded", "decode consumer (sm90.decode)", DECODE_SM90,
+           "if kv0 + j * C + C > length:", "if kv0 + j * C + C > length + (1 << 30):", G_DECODE_NAN, True),
     # -- GVA in the chunked forward
     Mutant("GVA: q / k read at the value head", "the q / k / v producer (chunk-local)", LOCAL,
            "h = head if group == 1 else head // group", "h = head", ("tests/test_gdn_sm90.py@gva and 1000",), True),

@@ -66,6 +66,12 @@ def test_ptx_contents(compiled_dir):
         ptx = (out / f"gdn_fused_forward_init_final_bfloat16_beta_bfloat16.{arch}.ptx").read_text()
         for needle in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec"):
             assert needle in ptx, needle
+    # split-KV decode: TMA boxes, the fixup's one counter add, and only thread 0's two gpu-scope fences (release
+    # before the count, acquire after it): the other threads are ordered by the CTA barriers around them
+    ptx = (out / f"decode_g8_q1_bfloat16.{arch}.ptx").read_text()
+    assert "cp.async.bulk.tensor" in ptx and ptx.count("atom.global.add") == 1
+    assert ptx.count("fence.acq_rel.gpu") == 2, ptx.count("fence.acq_rel.gpu")
+    assert "griddepcontrol.wait" in ptx   # launched early (PDL): waits before any global access
 
 
 def test_cli_rejects_unknown_op(tmp_path):

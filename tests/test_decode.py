@@ -85,14 +85,15 @@ def test_plan_is_cached_and_planned_from_the_bound():
     a = dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132)
     b = dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132)
     assert a is b
-    schedule, config = a
+    schedule, config, even = a
     assert config.group == 4 and not config.persistent and not config.paged
+    assert even == (schedule.plan.splits[0], 64), even   # the kernel's tiles from the CTA index
     # 32 units x 64 blocks on 132 SMs x 2: each unit split so there are >= 264 CTAs, each >= 256 tokens
     splits = schedule.plan.splits
     assert len(splits) == 32 and len(set(splits)) == 1 and schedule.num_tiles >= 264 - 32
     assert 4096 // splits[0] >= 256
-    s, c = dec.plan_decode(4, 8, 4, 1, 4096, True, False, 132, StreamKScheduler())
-    assert c.persistent and c.paged and s.grid[0] <= 264
+    s, c, even = dec.plan_decode(4, 8, 4, 1, 4096, True, False, 132, StreamKScheduler())
+    assert c.persistent and c.paged and s.grid[0] <= 264 and even == (0, 0)
     # every field of the scheduler is in the cache key
     loose = dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132, SplitKVScheduler(divide_slack=0.5))
     assert loose is not dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132, SplitKVScheduler(divide_slack=0.0))
@@ -163,6 +164,35 @@ def test_multi_token_queries(Sq, paged):
     check(q, k, v, L, table, scheduler=StreamKScheduler(ctas=5))
 
 
+def poison_past_lengths(k, v, lens, table):
+    """NaN in every cache row that no row's first `lens[b]` tokens use: the slots past each length, the rest of
+    the last page, spare pages (a stale or never-written cache). The op must never let them into o."""
+    used = torch.zeros(k.shape[:2], dtype=torch.bool, device=k.device)
+    for b, L in enumerate(lens.tolist()):
+        if table is None:
+            used[b, :L] = True
+        else:
+            page_size = k.shape[1]
+            for t0 in range(0, L, page_size):
+                used[int(table[b, t0 // page_size]), : min(page_size, L - t0)] = True
+    k[~used] = float("nan")
+    v[~used] = float("nan")
+
+
+@requires_sm90
+@pytest.mark.parametrize("Sq", [1, 4])
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("scheduler", ["split-kv", "stream-k"])
+def test_nan_past_the_lengths_never_reaches_o(scheduler, page_size, Sq):
+    sched = None if scheduler == "split-kv" else StreamKScheduler(min_kv=64)
+    lens = [4, 17, 100, 250, 1000, 0, 1999]    # boundaries inside a 16-token box, a 64-token block, a page
+    q, k, v, L, table = cache_inputs(len(lens), 32, 8, lens, Sq=Sq, Tmax=2048, page_size=page_size,
+                                     device="cuda", seed=17 + Sq)
+    poison_past_lengths(k, v, L, table)
+    check(q, k, v, L, table, scheduler=sched)
+    check(q, k, v, L, table, scheduler=SplitKVScheduler(num_splits=5), max_seqlen=2048)
+
+
 @requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dtype_scale_softcap(dtype):
@@ -176,7 +206,7 @@ def test_many_splits_long_cache():
     # one row, one KV head: the split count is large, and stream-K ranges end mid-unit
     q, k, v, lens, _ = cache_inputs(1, 8, 1, [65536 + 37], device="cuda", seed=3)
     check(q, k, v, lens)
-    schedule, _ = dec.plan_decode(1, 1, 8, 1, 65536 + 37, False, False, torch.cuda.get_device_properties(0)
+    schedule, _, _ = dec.plan_decode(1, 1, 8, 1, 65536 + 37, False, False, torch.cuda.get_device_properties(0)
                                   .multi_processor_count)
     assert schedule.plan.splits[0] >= 64
     check(q, k, v, lens, scheduler=StreamKScheduler())
@@ -189,6 +219,36 @@ def test_lengths_below_the_planned_bound():
     q, k, v, lens, _ = cache_inputs(4, 32, 8, [4096, 10, 0, 1500], device="cuda", seed=11)
     check(q, k, v, lens, max_seqlen=4096)
     check(q, k, v, lens, max_seqlen=4096, scheduler=StreamKScheduler())
+
+
+@requires_sm90
+@pytest.mark.parametrize("graph", [False, True])
+def test_back_to_back_calls_share_counters_safely(graph):
+    """Calls launched early (PDL) overlap the previous call's tail: each must still wait for it before touching
+    the counters, the partials or its inputs. Five calls in a row, each with its own q and output, one cache."""
+    q, k, v, lens, _ = cache_inputs(2, 32, 8, [4096, 3000], device="cuda", seed=23)
+    qs = [torch.randn_like(q) for _ in range(5)]
+    outs = [torch.empty_like(q) for _ in range(5)]
+
+    def calls():
+        for qi, oi in zip(qs, outs):
+            ck.decode_attention(qi, k, v, lens, max_seqlen=4096, out=(oi, None))
+
+    calls()
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            calls()
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+    for qi, oi in zip(qs, outs):
+        ref_o, _ = decode_attention_ref(qi.cpu(), k.cpu(), v.cpu(), lens.cpu())
+        assert not oi.isnan().any() and rel_err(oi, ref_o) < 5e-3, rel_err(oi, ref_o)
+    for counts in dec._counters.values():
+        assert int(counts.abs().sum()) == 0, "a fixup counter was left non-zero"
 
 
 @requires_sm90

@@ -4,7 +4,8 @@ the uniform cases, `explain()`, and the errors."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from schedulers.splitkv import SplitKVScheduler, StreamKScheduler, decode_problem
+from schedulers.splitkv import (SplitKVScheduler, StreamKScheduler, decode_problem, even_split_fields,
+                                even_split_shape)
 
 
 def unit_pieces(problem, schedule):
@@ -50,6 +51,28 @@ def test_every_block_read_once(lens, hkv, block, ctas):
         schedule = sched.schedule(problem, sm_count=132, ctas_per_sm=2)
         check_coverage(problem, schedule)
         assert schedule.seg_offsets[-1] == schedule.segmentation.total_segments
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 64), st.sampled_from([0, 1, 63, 64, 65, 255, 256, 4096, 4097, 131072]) | st.integers(0, 40000),
+       st.sampled_from([1, 2, 4, 8, 32]), st.sampled_from([None, 1, 3, 7, 64]), st.sampled_from([16, 132]))
+def test_even_split_formula_is_the_table(B, bound, hkv, forced, sms):
+    """The decode op plans every row from one bound, so a split-KV table is `even_split_fields` of the row index:
+    the device computes each CTA's tile from its index and reads no table."""
+    schedule = SplitKVScheduler(num_splits=forced).schedule(decode_problem([bound] * B, hkv, 64), sms, 2)
+    shape = even_split_shape(schedule)
+    assert shape is not None
+    splits, blocks = shape
+    assert schedule.num_tiles == B * hkv * splits and blocks == -(-bound // 64)
+    for i, t in enumerate(schedule.tiles):
+        assert (t.seq, t.segment, t.chunk_start, t.chunk_end) == even_split_fields(i, splits, blocks)
+        assert t.seg_slot == i and t.num_segments == splits
+
+
+def test_even_split_shape_refuses_other_tables():
+    assert even_split_shape(StreamKScheduler().schedule(decode_problem([4096] * 2, 8, 64), 132, 2)) is None
+    # rows of two lengths split differently: no single (splits, blocks)
+    assert even_split_shape(SplitKVScheduler().schedule(decode_problem([4096, 300], 8, 64), 132, 2)) is None
 
 
 @settings(max_examples=60, deadline=None)

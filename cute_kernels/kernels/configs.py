@@ -193,7 +193,7 @@ class DecodeConfig:
     group: query heads per KV head (GQA); q_len: new tokens per row, causal among themselves; group x q_len query
     rows share the unit's K / V reads. paged: the cache is [pages, page_size, Hkv, D] read through a page table
     (else [B, Tmax, Hkv, D]). softcap: scores pass through c tanh(s / c). persistent: the stream-K table (CTAs
-    loop over their pieces). stages: the K / V ring's depth (32 KB a stage at D = 128)."""
+    loop over their pieces); else an even split, each CTA's tile computed from its index. stages: the K / V ring's depth (32 KB a stage at D = 128)."""
 
     head_dim: int = 128
     group: int = 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from schedulers.splitkv import SplitKVScheduler, StreamKScheduler, decode_problem
+from schedulers.splitkv import SplitKVScheduler, StreamKScheduler, decode_problem, even_split_shape
 
 from ..checks import check_cuda, check_no_grad, check_shape, check_tensor
 from ..kernels.build import build_decode
@@ -76,8 +76,10 @@ _plans: dict = {}
 
 def plan_decode(B: int, Hkv: int, group: int, Sq: int, bound: int, paged: bool, softcap: bool, sms: int,
                 scheduler=None):
-    """(schedule, config) of one call shape, cached. `scheduler`: a `SplitKVScheduler` (default) or a
-    `StreamKScheduler`; it plans from `bound` tokens per row, never from the true lengths."""
+    """(schedule, config, (splits, unit_blocks)) of one call shape, cached. `scheduler`: a `SplitKVScheduler`
+    (default) or a `StreamKScheduler`; it plans from `bound` tokens per row, never from the true lengths. A
+    split-KV plan is even (every unit split alike), so its kernel computes each tile from the CTA index and the
+    pair; stream-K's kernel reads the table (the pair is (0, 0))."""
     scheduler = scheduler if scheduler is not None else SplitKVScheduler()
     if not isinstance(scheduler, (SplitKVScheduler, StreamKScheduler)):
         raise TypeError(f"scheduler must be a SplitKVScheduler or a StreamKScheduler, got {type(scheduler).__name__}")
@@ -86,9 +88,12 @@ def plan_decode(B: int, Hkv: int, group: int, Sq: int, bound: int, paged: bool, 
     if hit is None:
         schedule = scheduler.schedule(decode_problem([bound] * B, Hkv, BLOCK_KV), sms, CTAS_PER_SM)
         config = DecodeConfig(group=group, q_len=Sq, paged=paged, softcap=softcap, persistent=schedule.persistent)
+        even = (0, 0) if schedule.persistent else even_split_shape(schedule)
+        if even is None:   # every unit has the bound's length, so an even split's table is always the formula
+            raise RuntimeError(f"internal: the split-KV plan of {B} rows x {Hkv} KV heads is not even: {schedule.plan}")
         if len(_plans) > 256:
             _plans.clear()
-        hit = _plans[key] = (schedule, config)
+        hit = _plans[key] = (schedule, config, even)
     return hit
 
 
@@ -129,8 +134,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, sca
     q4 = q if q.dim() == 4 else q[:, None]
     o4, lse3 = _outputs(out, q, q4, return_lse)
     group = Hq // Hkv
-    schedule, config = plan_decode(B, Hkv, group, Sq, bound, paged, softcap is not None, sm_count(device),
-                                   scheduler)
+    schedule, config, (splits, unit_blocks) = plan_decode(B, Hkv, group, Sq, bound, paged, softcap is not None,
+                                                          sm_count(device), scheduler)
     last.record(lambda: schedule.explain())
     if B == 0:
         return _result(o4, lse3, q, return_lse, out)
@@ -140,7 +145,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, sca
     no_pages = page_table if paged else cache_seqlens.view(1, B)[:, :1]
     fn = build_decode(config, q.dtype).fn
     fn(q4, k_cache, v_cache, cache_seqlens, no_pages, o4, lse3, o_part, lse_part,
-       counters(B * Hkv, device), schedule.table_on(device), schedule.num_tiles, schedule.grid[0],
+       counters(B * Hkv, device), schedule.table_on(device), schedule.num_tiles, splits, unit_blocks,
+       schedule.grid[0],
        float(scale) if scale is not None else D ** -0.5, float(softcap) if softcap is not None else 1.0)
     return _result(o4, lse3, q, return_lse, out)
 

@@ -14,7 +14,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from schedulers.device import TileScheduler
+from schedulers.device import EvenSplitScheduler, TileScheduler
 
 from ..configs import DecodeConfig
 from ..decode_fixup import box_row, is_last_split, masked_score, merge_unit, split_range, unit_rows
@@ -43,9 +43,10 @@ class SplitKVDecodeSm100:
     - warps 0-3, softmax and epilogue (thread t owns row t: TMEM lane t): the unit's query rows into shared memory
       (row r = i * group + g; rows past group x q_len zero); per block: S from TMEM (tcgen05.ld), the masks, softcap,
       the online softmax (log2 units, the row wholly in the thread: no shuffles), P as bf16 / fp16 into shared
-      memory, and O rescaled in TMEM (tcgen05.ld / st, 32 columns at a time) once the previous P V has finished.
-      At the tile's end O from TMEM, normalized, to the output or the split's slot; the last split merges
-      (`decode_fixup`).
+      memory (in the block holding the cache's last token, V's rows past it zeroed too: their P is 0, but a stale
+      or never-written row may hold NaN), and O rescaled in TMEM (tcgen05.ld / st, 32 columns at a time) once the
+      previous P V has finished. At the tile's end O from TMEM, normalized, to the output or the split's slot;
+      the last split merges (`decode_fixup`).
     - warp 4, MMA (one elected lane issues): per block S = Q K^T (a 128 x 16 x D tcgen05 MMA per 16-token box, into
       TMEM), then O (+)= P V (a 128 x D x 16 MMA per box).
     - warp 5, load: per block (C = 32 tokens) K and V as 16-token TMA boxes (K-major K, MN-major V) into the next stage;
@@ -91,7 +92,8 @@ class SplitKVDecodeSm100:
         lse_part: cute.Tensor,       # [slots, 64] fp32
         counters: cute.Tensor,       # [units] int32, 0 between calls
         tiles: cute.Tensor,          # [num_tiles, NUM_TILE_FIELDS] int32
-        num_tiles: Int32, grid_x: Int32, scale: Float32, softcap: Float32, stream,
+        num_tiles: Int32, splits: Int32, unit_blocks: Int32, grid_x: Int32, scale: Float32, softcap: Float32,
+        stream,
     ):
         io, D, ns = self.io_dtype, self.head_dim, self.num_stages
         mma_s = self._mma(BOX, False)     # S box = Q K_box^T: N = 16 tokens, K = D
@@ -127,9 +129,9 @@ class SplitKVDecodeSm100:
         check_smem(self.smem_bytes, CTAS_PER_SM, "SplitKVDecodeSm100")
         self.kernel(mma_s, mma_pv, q_layout, k_layout, v_layout, p_layout, tma_k, tma_k_t, tma_v, tma_v_t, q,
                     cache_seqlens, page_table, k_cache.shape[1], unit_rows(o, self.group), unit_rows(lse, self.group),
-                    o_part, lse_part, counters, tiles, num_tiles, scale, softcap).launch(
+                    o_part, lse_part, counters, tiles, num_tiles, splits, unit_blocks, scale, softcap).launch(
             grid=[grid_x, 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=CTAS_PER_SM,
-            preferred_smem_carveout=100)   # a fixed carveout: no device query when compiling
+            preferred_smem_carveout=100, use_pdl=True)   # a fixed carveout: no device query when compiling
 
     @cute.kernel
     def kernel(self, mma_s: cute.TiledMma, mma_pv: cute.TiledMma, q_layout: cute.ComposedLayout,
@@ -137,7 +139,7 @@ class SplitKVDecodeSm100:
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor, mQ: cute.Tensor,
                mLens: cute.Tensor, mPages: cute.Tensor, page_size: Int32, mO: cute.Tensor, mLse: cute.Tensor,
                mOp: cute.Tensor, mLp: cute.Tensor, mCount: cute.Tensor, mTiles: cute.Tensor, num_tiles: Int32,
-               scale: Float32, softcap: Float32):
+               splits: Int32, unit_blocks: Int32, scale: Float32, softcap: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         io, ns = self.io_dtype, self.num_stages
@@ -165,11 +167,19 @@ class SplitKVDecodeSm100:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        sched = TileScheduler.create(mTiles, num_tiles, self.config.persistent)
+        if cutlass.const_expr(self.config.persistent):   # stream-K: the table
+            sched = TileScheduler.create(mTiles, num_tiles, True)
+        else:   # an even split: the tile from the CTA index, nothing read before the first load
+            sched = EvenSplitScheduler.create(splits, unit_blocks, num_tiles)
         num_kv_heads = mQ.shape[2] // self.group
         if warp_idx == LOAD_WARP:
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
+        # launched early (PDL): the setup above overlaps the previous kernel's tail; every thread waits for that
+        # kernel before touching global memory, and the next launch may start its own setup
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        if warp_idx == LOAD_WARP:
             self.producer(sched, load, mma_s, mma_pv, tma_k, mK, tma_v, mV, sK, sV, mLens, mPages, page_size,
                           num_kv_heads)
         else:
@@ -187,7 +197,7 @@ class SplitKVDecodeSm100:
                 self.mma(sched, load, q_full, s_full, p_full, o_full, mma_s, mma_pv, sQ, sK, sV, sP, tS, tO, mLens,
                          num_kv_heads)
             else:
-                self.softmax(sched, q_full, s_full, p_full, o_full, tidx, sQ, sP, tS, tO, st.sFlag.get_tensor(
+                self.softmax(sched, q_full, s_full, p_full, o_full, tidx, sQ, sV, sP, tS, tO, st.sFlag.get_tensor(
                     cute.make_layout(4)), mQ, mLens, mO, mLse, mOp, mLp, mCount, num_kv_heads, scale, softcap)
             # every TMEM read and MMA done (the softmax warps waited on the tile's last o_full) before the free
             tmem.relinquish_alloc_permit()
@@ -290,7 +300,7 @@ class SplitKVDecodeSm100:
                 sQ[(r, d % 16), 0, d // 16, 0] = vec[e]
 
     @cute.jit
-    def softmax(self, sched, q_full, s_full, p_full, o_full, tidx, sQ, sP, tS, tO, sFlag, mQ, mLens, mO, mLse, mOp,
+    def softmax(self, sched, q_full, s_full, p_full, o_full, tidx, sQ, sV, sP, tS, tO, sFlag, mQ, mLens, mO, mLse, mOp,
                 mLp, mCount, num_kv_heads, scale, softcap):
         """Warps 0-3: the tile's queries, every block's online softmax and O correction, and the epilogue."""
         D = self.head_dim
@@ -306,6 +316,7 @@ class SplitKVDecodeSm100:
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        l_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)   # the ring's stage
         work = sched.initial_work()
         while work.is_valid:
             if work.seg_slot >= 0:
@@ -344,6 +355,9 @@ class SplitKVDecodeSm100:
                             p = cute.math.exp2(s_vals[k][c] - base, fastmath=True)
                             row_sum = row_sum + p
                             sP[(tidx, c), 0, k, 0] = self.io_dtype(p)
+                    if t0 + C > length:   # the cache's last block: rows past its length may hold NaN
+                        self.zero_rows_past(tidx, sV, l_state.index * (C // BOX), length - t0)
+                    l_state.advance()
                     if j > 0:
                         for chunk in cutlass.range_constexpr(D // O_CHUNK):
                             cute.copy(ld_o, thr_ld_o.partition_S(tO_chunks[None, None, 0, chunk]), o_vals)
@@ -360,6 +374,17 @@ class SplitKVDecodeSm100:
                            mOp, mLp, mCount, o_full, o_state)
                 o_state.advance()
             work = sched.advance(work)
+
+    @cute.jit
+    def zero_rows_past(self, tidx, sV, box0, valid):
+        """Zero the V rows at or past position `valid` of the stage whose boxes start at `box0` (thread tidx: column
+        tidx): they lie past the cache length, their P is 0, but 0 x NaN would be NaN. Before p_full's fence."""
+        for k in cutlass.range_constexpr(C // BOX):
+            for t in cutlass.range_constexpr(BOX):
+                if k * BOX + t >= valid:
+                    for d0 in cutlass.range_constexpr(0, self.head_dim, 32 * SOFTMAX_WARPS):
+                        if d0 + tidx < self.head_dim:
+                            sV[((d0 + tidx), t), 0, 0, box0 + k] = self.io_dtype(0.0)
 
     @cute.jit
     def store(self, work, tidx, blocks, ld_o, thr_ld_o, tO_chunks, o_vals, row_max, row_sum, sFlag, mO, mLse, mOp,

@@ -13,7 +13,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from schedulers.device import TileScheduler
+from schedulers.device import EvenSplitScheduler, TileScheduler
 
 from ..configs import DECODE_ROWS, DecodeConfig
 from ..decode_fixup import box_row, is_last_split, masked_score, merge_unit, split_range, unit_rows
@@ -32,11 +32,12 @@ class SplitKVDecodeSm90:
     Warp roles (160 threads):
     - warps 0-3, the consumer warpgroup: the unit's query rows (row r = i * group + g: query head kv_head * group
       + g of new token i; rows past group x q_len are zero) into shared memory; per KV block S = Q K^T (four
-      64 x 16 x D wgmmas, one per 16-token box), the masks (the split's end, the cache length, causal new
-      tokens), softcap, the online softmax in registers (log2 units; a row's values sit in the 4 lanes of a
-      quad), O += P V (four 64 x D x 16 RS wgmmas, P from registers). At the tile's end: a unit with one split
-      stores o and lse; otherwise o (normalized, fp32) and lse go to the split's slot and the last split to
-      finish merges the unit (`decode_fixup.is_last_split`, `merge_unit`).
+      64 x 16 x D wgmmas, one per 16-token box; in the block holding the cache's last token, V's rows past it
+      zeroed first: their P is 0, but a stale or never-written row may hold NaN), the masks (the split's end,
+      the cache length, causal new tokens), softcap, the online softmax in registers (log2 units; a row's values
+      sit in the 4 lanes of a quad), O += P V (four 64 x D x 16 RS wgmmas, P from registers). At the tile's
+      end: a unit with one split stores o and lse; otherwise o (normalized, fp32) and lse go to the split's slot
+      and the last split to finish merges the unit (`decode_fixup.is_last_split`, `merge_unit`).
     - warp 4, the producer: per block, K and V as four 16-token TMA boxes each into the next stage. A box's
       cache row is page * page_size + t % page_size, page = page_table[b, t // page_size] (paged) or b (a
       contiguous [B, Tmax] cache: page_size = Tmax); boxes past the cache length re-read the last one (masked).
@@ -70,7 +71,8 @@ class SplitKVDecodeSm90:
         lse_part: cute.Tensor,       # [slots, 64] fp32
         counters: cute.Tensor,       # [units] int32, 0 between calls
         tiles: cute.Tensor,          # [num_tiles, NUM_TILE_FIELDS] int32
-        num_tiles: Int32, grid_x: Int32, scale: Float32, softcap: Float32, stream,
+        num_tiles: Int32, splits: Int32, unit_blocks: Int32, grid_x: Int32, scale: Float32, softcap: Float32,
+        stream,
     ):
         io, D, ns = self.io_dtype, self.head_dim, self.num_stages
         k_rows = wt.thd(wt.flat(k_cache))    # (row, D, Hkv): row = page * page_size + slot
@@ -91,15 +93,15 @@ class SplitKVDecodeSm90:
         self.shared_storage = SharedStorage
         self.kernel(tma_k, tma_k_t, tma_v, tma_v_t, q, cache_seqlens, page_table, k_cache.shape[1],
                     unit_rows(o, self.group), unit_rows(lse, self.group), o_part, lse_part, counters, tiles,
-                    num_tiles, scale, softcap).launch(
+                    num_tiles, splits, unit_blocks, scale, softcap).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=2,
-            preferred_smem_carveout=100)   # a fixed carveout: no device query when compiling
+            preferred_smem_carveout=100, use_pdl=True)   # a fixed carveout: no device query when compiling
 
     @cute.kernel
     def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor, mQ: cute.Tensor,
                mLens: cute.Tensor, mPages: cute.Tensor, page_size: Int32, mO: cute.Tensor, mLse: cute.Tensor,
                mOp: cute.Tensor, mLp: cute.Tensor, mCount: cute.Tensor, mTiles: cute.Tensor, num_tiles: Int32,
-               scale: Float32, softcap: Float32):
+               splits: Int32, unit_blocks: Int32, scale: Float32, softcap: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = cutlass.memory.SmemAllocator()
@@ -112,16 +114,25 @@ class SplitKVDecodeSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
             tx_count=self.tma_bytes,
         )
-        sched = TileScheduler.create(mTiles, num_tiles, self.config.persistent)
+        if cutlass.const_expr(self.config.persistent):   # stream-K: the table
+            sched = TileScheduler.create(mTiles, num_tiles, True)
+        else:   # an even split: the tile from the CTA index, nothing read before the first load
+            sched = EvenSplitScheduler.create(splits, unit_blocks, num_tiles)
         num_kv_heads = mQ.shape[2] // self.group
         if warp_idx == 4:
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
+        # launched early (PDL): the setup above overlaps the previous kernel's tail; every thread waits for that
+        # kernel before touching global memory, and the next launch may start its own setup
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        if warp_idx == 4:
             self.producer(sched, load, tma_k, mK, tma_v, mV, wt.smem_view(st.sK, io, BOX, D, ns * 4),
                           wt.smem_view(st.sV, io, BOX, D, ns * 4), mLens, mPages, page_size, num_kv_heads)
         else:
             self.consumer(sched, load, tidx, wt.smem_view(st.sQ, io, ROWS, D),
-                          wt.smem_view(st.sK, io, BOX, D, ns * 4), wt.smem_view(st.sV, io, BOX, D, ns * 4, True),
+                          wt.smem_view(st.sK, io, BOX, D, ns * 4), wt.smem_view(st.sV, io, BOX, D, ns * 4),
+                          wt.smem_view(st.sV, io, BOX, D, ns * 4, True),
                           st.sFlag.get_tensor(cute.make_layout(4)), mQ, mLens, mO, mLse, mOp, mLp, mCount,
                           num_kv_heads, scale, softcap)
 
@@ -148,17 +159,21 @@ class SplitKVDecodeSm90:
             work = sched.advance(work)
         load.producer_tail(state)
 
+    def row_copy(self, wtid):
+        """(tiled copy, thread wtid's slice) of 16-byte row pieces over the consumer warpgroup: the q rows' stores
+        and the zeroed V rows."""
+        vecs = self.head_dim // 8
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.io_dtype, num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((128 // vecs, vecs), stride=(vecs, 1)),
+                                        cute.make_layout((1, 8)))
+        return tiled, tiled.get_slice(wtid)
+
     @cute.jit
     def load_q(self, wtid, mQ, b, kv_head, sQ):
         """The unit's query rows into sQ [64 x D] (16-byte vectors; rows past group x q_len zero)."""
-        io, D = self.io_dtype, self.head_dim
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), io, num_bits_per_copy=128)
-        vecs = D // 8
-        tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((128 // vecs, vecs), stride=(vecs, 1)),
-                                        cute.make_layout((1, 8)))
-        thr = tiled.get_slice(wtid)
+        tiled, thr = self.row_copy(wtid)
         tQ = thr.partition_D(sQ[None, None, 0])
-        crd = thr.partition_D(cute.make_identity_tensor((ROWS, D)))
+        crd = thr.partition_D(cute.make_identity_tensor((ROWS, self.head_dim)))
         for m in cutlass.range_constexpr(cute.size(tQ, mode=[1])):
             r, d0 = crd[0, m, 0]
             frag = cute.make_rmem_tensor_like(tQ[None, m, None])
@@ -171,7 +186,7 @@ class SplitKVDecodeSm90:
             cute.copy(tiled, frag, tQ[None, m, None])
 
     @cute.jit
-    def consumer(self, sched, load, wtid, sQ, sK, sV_mn, sFlag, mQ, mLens, mO, mLse, mOp, mLp, mCount,
+    def consumer(self, sched, load, wtid, sQ, sK, sV, sV_mn, sFlag, mQ, mLens, mO, mLse, mOp, mLp, mCount,
                  num_kv_heads, scale, softcap):
         """The attention of every tile (see the class docstring). Accumulator values: index i of a 64 x n wgmma
         fragment is row half (i // 2) % 2 of the thread's two rows (r, r + 8)."""
@@ -198,6 +213,8 @@ class SplitKVDecodeSm90:
                 for j in cutlass.range(blocks, unroll=1):
                     load.consumer_wait(state)
                     box0 = state.index * (C // BOX)
+                    if kv0 + j * C + C > length:   # the cache's last block: rows past its length may hold NaN
+                        self.zero_rows_past(wtid, sV, box0, length - kv0 - j * C)
                     acc_s = [cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, BOX)), Float32)
                              for _ in range(C // BOX)]
                     for k in cutlass.range_constexpr(C // BOX):
@@ -214,6 +231,23 @@ class SplitKVDecodeSm90:
                     state.advance()
                 self.store(work, wtid, acc_o, cc_o, row_max, row_sum, sFlag, mO, mLse, mOp, mLp, mCount)
             work = sched.advance(work)
+
+    @cute.jit
+    def zero_rows_past(self, wtid, sV, box0, valid):
+        """Zero the V rows at or past position `valid` of the stage whose boxes start at `box0`: they lie past the
+        cache length (a box re-read, a stale or never-written cache row), their P is 0, but 0 x NaN would be NaN."""
+        tiled, thr = self.row_copy(wtid)
+        crd = thr.partition_D(cute.make_identity_tensor((BOX, self.head_dim)))
+        zeros = cute.make_rmem_tensor_like(thr.partition_D(sV[None, None, 0])[None, 0, None])
+        zeros.fill(0.0)
+        for k in cutlass.range_constexpr(C // BOX):
+            tV = thr.partition_D(sV[None, None, box0 + k])
+            for m in cutlass.range_constexpr(cute.size(tV, mode=[1])):
+                r, _ = crd[0, m, 0]
+                if k * BOX + r >= valid:
+                    cute.copy(tiled, zeros, tV[None, m, None])
+        cute.arch.fence_proxy("async.shared", space="cta")   # the zeros, before the wgmmas read sV
+        cute.arch.barrier(barrier_id=1, number_of_threads=128)
 
     @cute.jit
     def online_softmax(self, acc_s, cc_s, acc_o, row_max, row_sum, t0, kv_end, length, scale, softcap):

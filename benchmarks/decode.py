@@ -411,10 +411,10 @@ def main(argv=None) -> int:
     peers, missing = load_peers(args.peers, PEER_LOADERS)
     timer = Timer(args.reps, args.warmup_ms, args.rep_ms)
     props = torch.cuda.get_device_properties(0)
-    cells = [c for c in grid(args.grid) if c.cache_bytes() <= MEMORY_SHARE * props.total_memory]
-    skipped = len(grid(args.grid)) - len(cells)
-    if args.cells:
-        cells = select_cells(cells, args.cells)
+    # --cells indexes the whole grid, so an index names the same cell on every card; then the cells over memory drop
+    named = select_cells(grid(args.grid), args.cells) if args.cells else grid(args.grid)
+    cells = [c for c in named if c.cache_bytes() <= MEMORY_SHARE * props.total_memory]
+    skipped = len(named) - len(cells)
     copy_tbps = copy_bandwidth(timer)
     torch.cuda.empty_cache()
     device = torch.cuda.get_device_name(0)

@@ -108,6 +108,61 @@ def test_spec_pool_and_speculative_writes():
 
 # ---------------------------------------------------------------------------------- host checks (CPU)
 
+def _tf32(x):
+    """x rounded to tf32 (10 mantissa bits, round to nearest, ties away: cvt.rna)."""
+    i = x.float().view(torch.int32)
+    return (((i + (1 << 12)) >> 13) << 13).view(torch.float32).double()
+
+
+def _block_step(q, k, v, g, beta, S0, products):
+    """The tensor-core step's math for one (sequence, head) in float64, each matrix product through `products`
+    (operands as the MMA sees them): q, k [T, K] (q scaled), v [T, V], g, beta [T], S0 [K, V]."""
+    T = q.shape[0]
+    G = torch.cumsum(g, 0)
+    gamma = torch.exp(G)
+    rel = torch.exp((G[:, None] - G[None, :]).clamp(max=0))
+    A = torch.tril(beta[:, None] * (k @ k.T) * rel, -1)
+    M = torch.tril((q @ k.T) * rel)
+    inv = torch.linalg.inv(torch.eye(T, dtype=torch.float64) + A)
+    U = products(inv, beta[:, None] * (v - gamma[:, None] * products(k, S0)))
+    O = gamma[:, None] * products(q, S0) + products(M, U)
+    S = gamma[-1] * S0 + products((k * torch.exp(G[-1] - G)[:, None]).T, U)
+    return O, S
+
+
+@pytest.mark.parametrize("decay", ["weak", "zero", "strong"])
+def test_block_step_math_and_its_precision(decay):
+    """The chunk form the tensor-core step runs equals the recurrence; with 3xTF32 products (hi hi + hi lo + lo hi)
+    its state stays within 1e-6 of it, where single tf32 products are 1e-4 off (what the GPU test's 2e-5 tells
+    apart)."""
+    def exact(a, b):
+        return a @ b
+
+    def tf32(a, b):
+        return _tf32(a) @ _tf32(b)
+
+    def tf32x3(a, b):
+        ah, bh = _tf32(a), _tf32(b)
+        return ah @ bh + ah @ _tf32(b - bh) + _tf32(a - ah) @ bh
+
+    gen = torch.Generator().manual_seed(5)
+    for T in (2, 5, 8):
+        q, k, v, g, beta = make(1, T, 1, 1, False, decay=decay, seed=T)
+        q, k = F.normalize(q[0, :, 0].double(), dim=-1) * D ** -0.5, F.normalize(k[0, :, 0].double(), dim=-1)
+        v, g, beta = v[0, :, 0].double(), g[0, :, 0].double(), beta[0, :, 0].double()
+        S0 = torch.randn(D, D, generator=gen, dtype=torch.float64) * 0.5
+        o_ref, s_ref = fused_recurrent_ref(q[None, :, None], k[None, :, None], v[None, :, None], g[None, :, None],
+                                           beta[None, :, None], kda=False, scale=1.0, initial_state=S0[None, None],
+                                           output_final_state=True)
+        o_ref, s_ref = o_ref[0, :, 0], s_ref[0, 0]
+        o, S = _block_step(q, k, v, g, beta, S0, exact)
+        assert rel_err(o, o_ref) < 1e-12 and rel_err(S, s_ref) < 1e-12
+        _, S = _block_step(q, k, v, g, beta, S0, tf32x3)
+        assert rel_err(S, s_ref) < 1e-6, rel_err(S, s_ref)
+        _, S = _block_step(q, k, v, g, beta, S0, tf32)
+        assert rel_err(S, s_ref) > 2e-5, rel_err(S, s_ref)
+
+
 @pytest.mark.parametrize("case, message", [
     ("v_heads", "multiple of q's and k's"),
     ("g_shape", "g must have shape"),

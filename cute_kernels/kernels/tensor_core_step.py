@@ -65,6 +65,11 @@ def mma_tf32(a, b, c, *, loc=None, ip=None):
     return [Float32(llvm.extractvalue(f32, res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
+def state_element(j: int, c: int, tig, v0):
+    """(key, value column) of accumulator c of key tile j: rows v0, v0 + 8, columns 8 j + 2 tig, 8 j + 2 tig + 1."""
+    return 8 * j + 2 * tig + c % 2, v0 + 8 * (c // 2)
+
+
 def split_all(values):
     """([hi], [lo]) of fp32 values."""
     parts = [split_tf32(x) for x in values]
@@ -154,7 +159,8 @@ class TensorCoreStep:
             if slot >= 0:
                 for j in cutlass.range_constexpr(KEY_STEPS):
                     for c in cutlass.range_constexpr(4):
-                        state[4 * j + c] = h0[slot, hv, 8 * j + 2 * tig + c % 2, v0 + 8 * (c // 2)]
+                        key, col = state_element(j, c, tig, v0)
+                        state[4 * j + c] = h0[slot, hv, key, col]
         vv = cute.make_rmem_tensor((4,), Float32)
         for c in cutlass.range_constexpr(4):
             t = 2 * tig + c % 2
@@ -201,7 +207,8 @@ class TensorCoreStep:
             if slot >= 0:
                 for j in cutlass.range_constexpr(KEY_STEPS):
                     for c in cutlass.range_constexpr(4):
-                        ht[slot, hv, 8 * j + 2 * tig + c % 2, v0 + 8 * (c // 2)] = state[4 * j + c]
+                        key, col = state_element(j, c, tig, v0)
+                        ht[slot, hv, key, col] = state[4 * j + c]
 
     @cute.jit
     def stage(self, sQK, sStat, sTok, q, k, g, beta, a_log, dt_bias, bos, h, hv, tid, warp, lane, scale,

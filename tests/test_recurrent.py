@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cute_kernels as ck
+from cute_kernels.ops import recurrent as recurrent_op
 from cute_kernels.reference import recurrent_gated_delta_rule
 from cute_kernels.reference.recurrent_step import fused_recurrent_ref, gate_values
 from tests.conftest import import_peer, rel_err
@@ -199,6 +200,16 @@ def test_argument_errors_name_the_argument(case, message):
         ck.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, **kw)
 
 
+def test_tensor_cores_where_they_measured_faster():
+    """The planner's rule (docs/perf-history.md): GDN, 5..8 tokens a sequence, at least 256 (sequence, value head)
+    items, no varlen or speculative writes."""
+    use = recurrent_op.use_tensor_cores
+    assert use(False, False, False, 8, 256) and use(False, False, False, 5, 8192)
+    assert not use(False, False, False, 4, 8192) and not use(False, False, False, 8, 255)
+    assert not use(True, False, False, 8, 8192) and not use(False, True, False, 8, 8192)
+    assert not use(False, False, True, 8, 8192)
+
+
 def test_requires_grad_raises():
     q, k, v, g, beta = make(1, 2, 1, 1, True)
     q.requires_grad_(True)
@@ -291,10 +302,37 @@ def test_kernel_matches_spec(kda, group, Sq, decay):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.fixture
+def tensor_core_step(monkeypatch):
+    """Every GDN step of 2..8 tokens on the tensor-core step, however small the call (the planner keeps it for
+    large ones); fails the test if a call went token by token."""
+    monkeypatch.setattr(recurrent_op, "TC_MIN_TOKENS", 2)
+    monkeypatch.setattr(recurrent_op, "TC_MIN_ITEMS", 1)
+    chosen = []
+    planned = recurrent_op.use_tensor_cores
+    monkeypatch.setattr(recurrent_op, "use_tensor_cores", lambda *a: chosen.append(planned(*a)) or chosen[-1])
+    yield
+    assert chosen and all(chosen), f"calls went token by token: {chosen}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("Sq", [2, 4, 8])
+@pytest.mark.parametrize("decay", ["weak", "zero", "strong"])
+def test_tensor_core_step_matches_spec(group, Sq, decay, tensor_core_step):
+    test_kernel_matches_spec(False, group, Sq, decay)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [f for f in FLAGS if "lower_bound" not in f])
+def test_tensor_core_step_gate_flags(flags, tensor_core_step):
+    test_kernel_gate_flags(False, flags)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("Sq", [2, 8])
 @pytest.mark.parametrize("decay", ["weak", "zero"])
-def test_kernel_state_is_fp32_accurate(Sq, decay):
+def test_kernel_state_is_fp32_accurate(Sq, decay, tensor_core_step):
     """The fp32 state after several tokens within 2e-5 of the float64 spec: the tensor-core step's products must be
     3xTF32 (plain tf32 is 2e-4 off, bf16 2e-3; the token-by-token step is 1e-7)."""
     q, k, v, g, beta = make(4, Sq, 2, 4, False, "cuda", decay=decay, seed=41 + Sq)

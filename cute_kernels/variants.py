@@ -176,6 +176,11 @@ def _variants() -> list[Variant]:
     for name, cfg, io, gd, bd in [
             ("recurrent_gdn", RecurrentConfig(), bf, f32, bf),
             ("recurrent_gdn_dense_tokens4", RecurrentConfig(initial="dense", final="dense", tokens=4), bf, f32, bf),
+            ("recurrent_gdn_dense_tokens8_tensor_cores", RecurrentConfig(initial="dense", final="dense", tokens=8,
+                                                                      tensor_cores=True), bf, f32, bf),
+            ("recurrent_gdn_gva2_pool_l2norm_gate_tokens3_tensor_cores",
+             RecurrentConfig(group=2, initial="pool", final="pool", l2norm=True, gate_in_kernel=True, a_log=True,
+                             dt_bias=True, beta_sigmoid=True, tokens=3, tensor_cores=True), bf, f32, bf),
             ("recurrent_kda_pool_l2norm_tokens1", RecurrentConfig(kda=True, initial="pool", final="pool", l2norm=True,
                                                                   tokens=1), bf, f32, bf),
             ("recurrent_gdn_gva4_dense_gate_fp16", RecurrentConfig(group=4, initial="dense", final="dense",
@@ -185,7 +190,11 @@ def _variants() -> list[Variant]:
              RecurrentConfig(kda=True, group=2, varlen=True, initial="pool", final="pool", spec=True, l2norm=True,
                              gate_in_kernel=True, a_log=True, dt_bias=True, lower_bound=True, beta_sigmoid=True,
                              neg_eigval=True), bf, bf, bf)]:
-        need = ("bar.sync", "shfl.sync.bfly", "ex2.approx") + (("rsqrt.approx",) if cfg.l2norm else ())
+        need = ("bar.sync", "ex2.approx") + (("shfl.sync.bfly", "rsqrt.approx") if cfg.l2norm else ())
+        if cfg.tensor_cores:
+            need += ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32")
+        else:
+            need += ("shfl.sync.bfly",)
         out.append(Variant("fused_recurrent", name, lambda d, c=cfg, io=io, gd=gd, bd=bd: build_recurrent_step(
             c, io, gd, bd, dump_dir=d), need, ANY))
     # use_qk_l2norm_in_kernel: q and k normalized in one launch (every arch)

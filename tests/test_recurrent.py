@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cute_kernels as ck
+from cute_kernels.ops import recurrent as recurrent_op
 from cute_kernels.reference import recurrent_gated_delta_rule
 from cute_kernels.reference.recurrent_step import fused_recurrent_ref, gate_values
 from tests.conftest import import_peer, rel_err
@@ -108,6 +109,61 @@ def test_spec_pool_and_speculative_writes():
 
 # ---------------------------------------------------------------------------------- host checks (CPU)
 
+def _tf32(x):
+    """x rounded to tf32 (10 mantissa bits, round to nearest, ties away: cvt.rna)."""
+    i = x.float().view(torch.int32)
+    return (((i + (1 << 12)) >> 13) << 13).view(torch.float32).double()
+
+
+def _block_step(q, k, v, g, beta, S0, products):
+    """The tensor-core step's math for one (sequence, head) in float64, each matrix product through `products`
+    (operands as the MMA sees them): q, k [T, K] (q scaled), v [T, V], g, beta [T], S0 [K, V]."""
+    T = q.shape[0]
+    G = torch.cumsum(g, 0)
+    gamma = torch.exp(G)
+    rel = torch.exp((G[:, None] - G[None, :]).clamp(max=0))
+    A = torch.tril(beta[:, None] * (k @ k.T) * rel, -1)
+    M = torch.tril((q @ k.T) * rel)
+    inv = torch.linalg.inv(torch.eye(T, dtype=torch.float64) + A)
+    U = products(inv, beta[:, None] * (v - gamma[:, None] * products(k, S0)))
+    O = gamma[:, None] * products(q, S0) + products(M, U)
+    S = gamma[-1] * S0 + products((k * torch.exp(G[-1] - G)[:, None]).T, U)
+    return O, S
+
+
+@pytest.mark.parametrize("decay", ["weak", "zero", "strong"])
+def test_block_step_math_and_its_precision(decay):
+    """The chunk form the tensor-core step runs equals the recurrence; with 3xTF32 products (hi hi + hi lo + lo hi)
+    its state stays within 1e-6 of it, where single tf32 products are 1e-4 off (what the GPU test's 2e-5 tells
+    apart)."""
+    def exact(a, b):
+        return a @ b
+
+    def tf32(a, b):
+        return _tf32(a) @ _tf32(b)
+
+    def tf32x3(a, b):
+        ah, bh = _tf32(a), _tf32(b)
+        return ah @ bh + ah @ _tf32(b - bh) + _tf32(a - ah) @ bh
+
+    gen = torch.Generator().manual_seed(5)
+    for T in (2, 5, 8):
+        q, k, v, g, beta = make(1, T, 1, 1, False, decay=decay, seed=T)
+        q, k = F.normalize(q[0, :, 0].double(), dim=-1) * D ** -0.5, F.normalize(k[0, :, 0].double(), dim=-1)
+        v, g, beta = v[0, :, 0].double(), g[0, :, 0].double(), beta[0, :, 0].double()
+        S0 = torch.randn(D, D, generator=gen, dtype=torch.float64) * 0.5
+        o_ref, s_ref = fused_recurrent_ref(q[None, :, None], k[None, :, None], v[None, :, None], g[None, :, None],
+                                           beta[None, :, None], kda=False, scale=1.0, initial_state=S0[None, None],
+                                           output_final_state=True)
+        o_ref, s_ref = o_ref[0, :, 0], s_ref[0, 0]
+        o, S = _block_step(q, k, v, g, beta, S0, exact)
+        assert rel_err(o, o_ref) < 1e-12 and rel_err(S, s_ref) < 1e-12
+        _, S = _block_step(q, k, v, g, beta, S0, tf32x3)
+        assert rel_err(S, s_ref) < 1e-6, rel_err(S, s_ref)
+        _, S = _block_step(q, k, v, g, beta, S0, tf32)
+        assert rel_err(S, s_ref) > 2e-5, rel_err(S, s_ref)
+
+
 @pytest.mark.parametrize("case, message", [
     ("v_heads", "multiple of q's and k's"),
     ("g_shape", "g must have shape"),
@@ -142,6 +198,16 @@ def test_argument_errors_name_the_argument(case, message):
         kw = dict(state_v_first=True)
     with pytest.raises((ValueError, TypeError, NotImplementedError), match=message):
         ck.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, **kw)
+
+
+def test_tensor_cores_where_they_measured_faster():
+    """The planner's rule (docs/perf-history.md): GDN, 5..8 tokens a sequence, at least 256 (sequence, value head)
+    items, no varlen or speculative writes."""
+    use = recurrent_op.use_tensor_cores
+    assert use(False, False, False, 8, 256) and use(False, False, False, 5, 8192)
+    assert not use(False, False, False, 4, 8192) and not use(False, False, False, 8, 255)
+    assert not use(True, False, False, 8, 8192) and not use(False, True, False, 8, 8192)
+    assert not use(False, False, True, 8, 8192)
 
 
 def test_requires_grad_raises():
@@ -234,6 +300,46 @@ def test_kernel_matches_spec(kda, group, Sq, decay):
         outs.append((o.clone(), final.clone()))
     _check(*outs[0], o_ref, f_ref)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.fixture
+def tensor_core_step(monkeypatch):
+    """Every GDN step of 2..8 tokens on the tensor-core step, however small the call (the planner keeps it for
+    large ones); fails the test if a call went token by token."""
+    monkeypatch.setattr(recurrent_op, "TC_MIN_TOKENS", 2)
+    monkeypatch.setattr(recurrent_op, "TC_MIN_ITEMS", 1)
+    chosen = []
+    planned = recurrent_op.use_tensor_cores
+    monkeypatch.setattr(recurrent_op, "use_tensor_cores", lambda *a: chosen.append(planned(*a)) or chosen[-1])
+    yield
+    assert chosen and all(chosen), f"calls went token by token: {chosen}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("Sq", [2, 4, 8])
+@pytest.mark.parametrize("decay", ["weak", "zero", "strong"])
+def test_tensor_core_step_matches_spec(group, Sq, decay, tensor_core_step):
+    test_kernel_matches_spec(False, group, Sq, decay)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [f for f in FLAGS if "lower_bound" not in f])
+def test_tensor_core_step_gate_flags(flags, tensor_core_step):
+    test_kernel_gate_flags(False, flags)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Sq", [2, 8])
+@pytest.mark.parametrize("decay", ["weak", "zero"])
+def test_kernel_state_is_fp32_accurate(Sq, decay, tensor_core_step):
+    """The fp32 state after several tokens within 2e-5 of the float64 spec: the tensor-core step's products must be
+    3xTF32 (plain tf32 is 2e-4 off, bf16 2e-3; the token-by-token step is 1e-7)."""
+    q, k, v, g, beta = make(4, Sq, 2, 4, False, "cuda", decay=decay, seed=41 + Sq)
+    s0 = torch.randn(4, 4, D, D, device="cuda") * 0.5
+    _, f_ref = fused_recurrent_ref(q, k, v, g, beta, kda=False, initial_state=s0, output_final_state=True)
+    _, final = _call(False, q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    assert not torch.isnan(final).any() and rel_err(final, f_ref) < 2e-5, rel_err(final, f_ref)
 
 
 @pytest.mark.gpu

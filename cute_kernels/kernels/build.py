@@ -250,6 +250,7 @@ def build_recurrent_step(config: RecurrentConfig, io_dtype: torch.dtype, g_dtype
     def build():
         cutlass = import_cutlass()
         from .recurrent_step import RecurrentStep
+        from .tensor_core_step import TensorCoreStep
 
         io, f32, i32, K = cutlass_dtype(io_dtype), cutlass.Float32, cutlass.Int32, config.head_dim
         gd, bd = cutlass_dtype(g_dtype), cutlass_dtype(beta_dtype)
@@ -268,7 +269,8 @@ def build_recurrent_step(config: RecurrentConfig, io_dtype: torch.dtype, g_dtype
             i32(1), i32(1), f32(1.0), f32(1.0),
             fake_stream(),
         )
-        return RecurrentStep(config, io, gd, bd), args
+        step = TensorCoreStep if config.tensor_cores else RecurrentStep
+        return step(config, io, gd, bd), args
 
     return compile_kernel(("recurrent_step", config, _name(io_dtype), _name(g_dtype), _name(beta_dtype)), build,
                           dump_dir=dump_dir)

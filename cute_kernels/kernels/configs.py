@@ -233,7 +233,8 @@ class RecurrentConfig:
     l2norm: q and k normalized in the kernel. gate_in_kernel: g is the raw gate: g = -exp(A_log) softplus(g +
     dt_bias), or with lower_bound (KDA) g = lower_bound sigmoid(exp(A_log) (g + dt_bias)) (a_log False: A = 1).
     beta_sigmoid: beta is a logit (neg_eigval: 2 sigmoid(beta)). tokens: the tokens per sequence as a compile-time
-    count (1..STEP_GROUP, not varlen; the token loop unrolled), or 0: read from T."""
+    count (1..STEP_GROUP, not varlen; the token loop unrolled), or 0: read from T. tensor_cores: the tokens as one
+    block in the chunk form on warp-level tf32 tensor cores (`TensorCoreStep`: GDN, a compile-time count, no spec)."""
 
     kda: bool = False
     head_dim: int = 128
@@ -250,6 +251,7 @@ class RecurrentConfig:
     beta_sigmoid: bool = False
     neg_eigval: bool = False
     tokens: int = 0
+    tensor_cores: bool = False
 
     def __post_init__(self):
         if not 0 <= self.tokens <= STEP_GROUP or (self.tokens and self.varlen):
@@ -271,3 +273,5 @@ class RecurrentConfig:
             raise ValueError("gate_in_kernel needs a_log (or, KDA, lower_bound)")
         if self.neg_eigval and not self.beta_sigmoid:
             raise ValueError("neg_eigval needs beta_sigmoid")
+        if self.tensor_cores and (self.kda or self.spec or not self.tokens):
+            raise ValueError("tensor_cores is GDN's, with a compile-time token count and no spec")

@@ -300,13 +300,17 @@ class RecurrentStep:
 
     @cute.jit
     def gate(self, x, dt_bias: cute.Tensor, bias_index, a_head, lower_bound):
-        """The log decay from g's value `x`: as given, or FLA's gate-in-kernel forms."""
-        cfg = self.config
-        if cutlass.const_expr(cfg.gate_in_kernel):
-            if cutlass.const_expr(cfg.dt_bias):
-                x = x + dt_bias[bias_index]
-            if cutlass.const_expr(cfg.lower_bound):
-                x = lower_bound * sigmoid(a_head * x)
-            else:
-                x = -a_head * softplus(x)
-        return x
+        return log_decay(self.config, x, dt_bias, bias_index, a_head, lower_bound)
+
+
+@cute.jit
+def log_decay(cfg: RecurrentConfig, x, dt_bias: cute.Tensor, bias_index, a_head, lower_bound):
+    """The log decay from g's value `x`: as given, or FLA's gate-in-kernel forms (both decode steps)."""
+    if cutlass.const_expr(cfg.gate_in_kernel):
+        if cutlass.const_expr(cfg.dt_bias):
+            x = x + dt_bias[bias_index]
+        if cutlass.const_expr(cfg.lower_bound):
+            x = lower_bound * sigmoid(a_head * x)
+        else:
+            x = -a_head * softplus(x)
+    return x

@@ -17,7 +17,7 @@ import torch
 
 from ..checks import check_cuda, check_no_grad, check_qkv, check_shape, check_tensor
 from ..kernels.build import build_recurrent_step
-from ..kernels.configs import RecurrentConfig
+from ..kernels.configs import STEP_GROUP, RecurrentConfig
 
 IO_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIM = 128
@@ -25,6 +25,10 @@ MAX_SEQS = 65535   # the grid's z extent
 # Up to this many tokens per sequence (not varlen) the count is compiled in (`RecurrentConfig.tokens`); beyond, the
 # token loop reads T (at 8 tokens the unrolled loop measured slower: docs/design.md, section 12).
 STATIC_TOKENS = 4
+# the tensor-core step where it measured faster than token by token (docs/perf-history.md): from 5 tokens a sequence
+# (the token loop runs at run time there) on at least 256 (sequence, value head) items
+TC_MIN_TOKENS = 5
+TC_MIN_ITEMS = 256
 
 
 def _dummies(device) -> tuple:
@@ -158,10 +162,12 @@ def fused_recurrent(q, k, v, g, beta, *, kda: bool, scale=None, initial_state=No
         cu = (cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.int()) if varlen else None
         d_f32, d_state, d_i32, d_idx = _dummies(device)
         d_idx = d_idx if spec else d_i32
+        tensor_cores = use_tensor_cores(kda, varlen, spec, T, N * HV)
         fn = step_function(kda, HV // H, varlen, initial, final, spec, bool(use_qk_l2norm_in_kernel),
                            bool(use_gate_in_kernel), a_log is not None, bias is not None, lower_bound is not None,
                            bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
-                           T if not varlen and T <= STATIC_TOKENS else 0, q.dtype, g.dtype, beta.dtype)
+                           T if not varlen and (T <= STATIC_TOKENS or tensor_cores) else 0, tensor_cores, q.dtype,
+                           g.dtype, beta.dtype)
         # the kernel flattens [B, T, ...] itself: no view on this path
         fn(q, k, v, g, beta, a_log if a_log is not None else d_f32, bias if bias is not None else d_f32,
            h0 if h0 is not None else d_state, ht if ht is not None else d_state, cu if cu is not None else d_i32,
@@ -176,14 +182,22 @@ def fused_recurrent(q, k, v, g, beta, *, kda: bool, scale=None, initial_state=No
 _functions: dict = {}
 
 
+def use_tensor_cores(kda: bool, varlen: bool, spec: bool, T: int, items: int) -> bool:
+    """GDN with TC_MIN_TOKENS..8 tokens per sequence (a compile-time count) over at least TC_MIN_ITEMS (sequence,
+    value head) items, no speculative writes: the tokens as one block on tensor cores (`TensorCoreStep`); else
+    token by token (`RecurrentStep`)."""
+    return not kda and not varlen and not spec and TC_MIN_TOKENS <= T <= STEP_GROUP and items >= TC_MIN_ITEMS
+
+
 def step_function(*key):
     """The compiled step for (kda, group, varlen, initial, final, spec, l2norm, gate_in_kernel, a_log, dt_bias,
-    lower_bound, beta_sigmoid, neg_eigval, tokens, io, g and beta dtypes): one dict lookup per call once built."""
+    lower_bound, beta_sigmoid, neg_eigval, tokens, tensor_cores, io, g and beta dtypes): one dict lookup per call
+    once built."""
     fn = _functions.get(key)
     if fn is None:
         flags, (io, g_dtype, beta_dtype) = key[:-3], key[-3:]
         names = ("kda", "group", "varlen", "initial", "final", "spec", "l2norm", "gate_in_kernel", "a_log", "dt_bias",
-                 "lower_bound", "beta_sigmoid", "neg_eigval", "tokens")
+                 "lower_bound", "beta_sigmoid", "neg_eigval", "tokens", "tensor_cores")
         fn = _functions[key] = build_recurrent_step(RecurrentConfig(**dict(zip(names, flags))), io, g_dtype,
                                                     beta_dtype).fn
     return fn

@@ -7,8 +7,9 @@ tile to the true length on the device. A chunk is one KV block. A tile is one sp
 block range; its partial (o, lse) goes to slot `seg_slot`, and unit u's splits are slots seg_offsets[u] ..
 seg_offsets[u + 1] - 1 (the layout `lse_merge` reads).
 
-- `SplitKVScheduler`: even splits per unit, counts from `plan_segments`' rules with `min_chunks` = the minimum
-  KV slice in blocks and a split count that divides the block count where one is within `divide_slack` (5%).
+- `SplitKVScheduler`: even splits per unit, counts from `plan_segments`' rules: one wave of at most one CTA per SM
+  (`ctas_per_sm`), splits of at least `min_kv` tokens (one 64-token block), and a split count that divides the
+  block count where one is within `divide_slack` (5%).
 - `StreamKScheduler`: persistent CTAs, each an equal contiguous range of the flattened (unit, KV block) space, so
   a split may end anywhere inside a unit. CTA c's pieces are rows c, c + G, c + 2G, ... of the table (padded with
   `seg_slot = -1` tiles that do nothing), so the one device scheduler hands them out in persistent mode.
@@ -23,7 +24,11 @@ from .heuristics import plan_segments
 from .host import Schedule, schedule_from_segmentation
 from .problem import Problem, Segmentation, WorkTile, ceil_div
 
-MIN_KV = 256            # fewest KV tokens a CTA reads (its loads must hide their latency)
+MIN_KV = 256            # stream-K: fewest KV tokens a CTA reads (its loads must hide their latency)
+# split-KV's default plan: one wave of one CTA per SM, splits down to one block. Measured on the H100 against the
+# occupancy's two CTAs per SM with 256-token splits (docs/design.md, "Units and the plan"): 1.0-1.3x at B <= 8.
+SPLIT_MIN_KV = 64
+SPLIT_CTAS_PER_SM = 1
 DIVIDE_SLACK = 0.05     # give up this much of the planned split count for splits that divide evenly
 
 
@@ -67,19 +72,24 @@ class DecodePlan:
 
 class SplitKVScheduler:
     """Even splits per unit (one CTA per split). `num_splits` forces a count (capped by the unit's blocks);
-    None plans it from the occupancy (`plan_segments`), never below `min_kv` tokens per split."""
+    None plans it (`plan_segments`): one wave of `ctas_per_sm` CTAs per SM (None: as many as the kernel's
+    occupancy allows), never below `min_kv` tokens per split."""
 
     name = "split-kv"
 
-    def __init__(self, num_splits: int | None = None, min_kv: int = MIN_KV, divide_slack: float = DIVIDE_SLACK):
+    def __init__(self, num_splits: int | None = None, min_kv: int = SPLIT_MIN_KV,
+                 ctas_per_sm: int | None = SPLIT_CTAS_PER_SM, divide_slack: float = DIVIDE_SLACK):
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         if min_kv < 1:
             raise ValueError(f"min_kv must be >= 1, got {min_kv}")
-        self.num_splits, self.min_kv, self.divide_slack = num_splits, min_kv, divide_slack
+        if ctas_per_sm is not None and ctas_per_sm < 1:
+            raise ValueError(f"ctas_per_sm must be >= 1 or None, got {ctas_per_sm}")
+        self.num_splits, self.min_kv, self.ctas_per_sm, self.divide_slack = num_splits, min_kv, ctas_per_sm, divide_slack
 
     def __repr__(self) -> str:
-        return f"SplitKVScheduler(num_splits={self.num_splits}, min_kv={self.min_kv}, divide_slack={self.divide_slack})"
+        return (f"SplitKVScheduler(num_splits={self.num_splits}, min_kv={self.min_kv}, ctas_per_sm={self.ctas_per_sm}, "
+                f"divide_slack={self.divide_slack})")
 
     def schedule(self, problem: Problem, sm_count: int | None = None, ctas_per_sm: int = 2) -> Schedule:
         chunks = list(problem.chunks)
@@ -90,9 +100,11 @@ class SplitKVScheduler:
             if sm_count is None:
                 raise ValueError("SplitKVScheduler(num_splits=None) needs sm_count to plan the split")
             min_chunks = ceil_div(self.min_kv, problem.chunk_size)
-            p = plan_segments(problem, sm_count, ctas_per_sm, min_chunks, divide_slack=self.divide_slack)
+            fill = min(self.ctas_per_sm, ctas_per_sm) if self.ctas_per_sm else ctas_per_sm
+            p = plan_segments(problem, sm_count, fill, min_chunks, divide_slack=self.divide_slack)
             seg = Segmentation([_even(c, n) for c, n in zip(chunks, p.segments)])
-            reasons = p.reasons + [f"min_kv {self.min_kv} tokens = {min_chunks} blocks of {problem.chunk_size}"]
+            reasons = p.reasons + [f"min_kv {self.min_kv} tokens = {min_chunks} blocks of {problem.chunk_size}",
+                                   f"{fill} CTA(s) per SM planned, of the kernel's {ctas_per_sm}"]
         schedule = schedule_from_segmentation(problem, seg, self.name)
         splits = [len(b) - 1 for b in seg.bounds]
         lengths = {b[i + 1] - b[i] for b in seg.bounds for i in range(len(b) - 1)}

@@ -99,35 +99,49 @@ def test_stream_k_ranges_are_equal_and_contiguous(lens, hkv, ctas):
 
 
 def test_split_kv_fills_the_gpu_in_min_kv_slices():
-    """B=1, Hkv=8, 4096 tokens, 64-token blocks on 132 SMs x 2: one wave of 264 CTAs would give 33 splits per
-    unit, but a split keeps >= 256 tokens (4 blocks): 16 splits per unit, 128 CTAs, uniform."""
+    """B=1, Hkv=8, 4096 tokens, 64-token blocks on 132 SMs x 2, with the issue's rule (two CTAs per SM, 256-token
+    splits): one wave of 264 CTAs would give 33 splits per unit, but a split keeps >= 4 blocks: 16 splits per
+    unit, 128 CTAs, uniform."""
     problem = decode_problem([4096], 8, 64)
-    schedule = SplitKVScheduler().schedule(problem, sm_count=132, ctas_per_sm=2)
+    schedule = SplitKVScheduler(min_kv=256, ctas_per_sm=None).schedule(problem, sm_count=132, ctas_per_sm=2)
     plan = schedule.plan
     assert plan.splits == [16] * 8 and schedule.num_tiles == 128 and plan.uniform
     assert all(t.chunk_end - t.chunk_start == 4 for t in schedule.tiles)
     text = plan.explain()
     assert "8 units" in text and "splits per unit 16 (uniform)" in text and "min_kv 256 tokens = 4 blocks" in text
+    assert "2 CTA(s) per SM planned, of the kernel's 2" in text
+
+
+@pytest.mark.parametrize("B, hkv, L, splits", [
+    (1, 8, 512, 8), (1, 8, 1024, 16), (1, 8, 4096, 16), (1, 8, 16384, 16), (2, 8, 512, 8), (2, 8, 16384, 8),
+    (4, 8, 4096, 4), (8, 8, 4096, 2), (1, 4, 1024, 16), (1, 4, 4096, 32), (16, 8, 4096, 1), (32, 8, 512, 1)])
+def test_split_kv_default_is_one_wave_of_one_cta_per_sm(B, hkv, L, splits):
+    """The default plan: units x splits <= 132 SMs, splits down to one 64-token block. On the H100 these counts
+    timed best or within 0.1 us of the best among 2-64 splits at every cell up to B = 8 (docs/design.md)."""
+    schedule = SplitKVScheduler().schedule(decode_problem([L] * B, hkv, 64), sm_count=132, ctas_per_sm=2)
+    assert schedule.plan.splits == [splits] * (B * hkv) and schedule.plan.uniform
+    assert schedule.num_tiles <= 132 or splits == 1
+    assert "1 CTA(s) per SM planned, of the kernel's 2" in schedule.plan.explain()
 
 
 def test_split_kv_leaves_full_batches_whole():
     problem = decode_problem([4096] * 64, 8, 64)   # 512 units >= 264 slots
-    schedule = SplitKVScheduler().schedule(problem, sm_count=132, ctas_per_sm=2)
+    schedule = SplitKVScheduler(ctas_per_sm=None).schedule(problem, sm_count=132, ctas_per_sm=2)
     assert schedule.plan.splits == [1] * 512 and schedule.num_tiles == 512
 
 
 def test_split_kv_prefers_counts_that_divide():
-    """B=1, Hkv=4: one wave wants 66 splits per unit; min_kv caps it at blocks // 4. 128 blocks: 32, which divides.
+    """B=1, Hkv=4, two CTAs per SM and 256-token splits: one wave wants 66 splits per unit; min_kv caps it at blocks // 4. 128 blocks: 32, which divides.
     132 blocks: 33, which divides. 130 blocks: 32; within 5% below it (31, 32) none divides 130, so the splits
     differ by one block."""
     p = decode_problem([128 * 64], 4, 64)
-    s = SplitKVScheduler().schedule(p, sm_count=132, ctas_per_sm=2)
+    s = SplitKVScheduler(min_kv=256, ctas_per_sm=None).schedule(p, sm_count=132, ctas_per_sm=2)
     assert s.plan.splits == [32] * 4 and s.plan.uniform
     p = decode_problem([132 * 64], 4, 64)
-    s = SplitKVScheduler().schedule(p, sm_count=132, ctas_per_sm=2)
+    s = SplitKVScheduler(min_kv=256, ctas_per_sm=None).schedule(p, sm_count=132, ctas_per_sm=2)
     assert s.plan.splits == [33] * 4 and s.plan.uniform   # cap 33, and 33 divides 132
     p = decode_problem([130 * 64], 4, 64)
-    s = SplitKVScheduler().schedule(p, sm_count=132, ctas_per_sm=2)
+    s = SplitKVScheduler(min_kv=256, ctas_per_sm=None).schedule(p, sm_count=132, ctas_per_sm=2)
     assert s.plan.splits == [32] * 4 and not s.plan.uniform   # 31, 32 do not divide 130
 
 
@@ -179,6 +193,8 @@ def test_errors_name_the_argument():
         SplitKVScheduler(num_splits=0)
     with pytest.raises(ValueError, match="min_kv must be >= 1"):
         StreamKScheduler(min_kv=0)
+    with pytest.raises(ValueError, match="ctas_per_sm must be >= 1 or None"):
+        SplitKVScheduler(ctas_per_sm=0)
     with pytest.raises(ValueError, match="needs sm_count"):
         SplitKVScheduler().schedule(decode_problem([64], 1))
     with pytest.raises(ValueError, match="num_kv_heads must be >= 1"):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, check and time on the GPU machine in one call, by stage. From the repo root, after
 # `source .wheelhouse/b/install.sh`:
-#   bash scripts/device_check.sh [tests] [decode] [recurrent] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [paths-ab] [sm100] [bench-OP-GRID] [peers-OP-GRID] ...
+#   bash scripts/device_check.sh [tests] [decode] [recurrent] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [paths-ab] [decode-splits] [steps] [sm100] [bench-OP-GRID] [peers-OP-GRID] ...
 # Logs go to $OUT/logs_<stages>.tgz (one file: a call brings back at most 8), the seed8 / fla8 JSON to ./device_out (kept
 # on the machine between calls) and a copy into $OUT. Every stage runs under a hard limit (SIGINT first, so a
 # sweep writes the cells it measured), so a hung kernel cannot eat the session.
@@ -23,7 +23,9 @@
 #   fla8       the same cells with FLA (then seed8's comparison again, FLA beside; at least 300 s: Triton autotunes)
 #   paths      scripts/time_paths.py paths
 #   paths-ab   the same for $BASELINE and this tree, alternated twice ($PATH_CELLS: "B,H,T;..."; $TIME_OPS: gdn,kda)
-#   decode-splits  scripts/time_paths.py decode: the split-KV decode per scheduler and min_kv on short-KV cells
+#   decode-splits  scripts/time_paths.py decode: the split-KV decode's default plan, each split count forced,
+#              stream-K and torch SDPA ($DECODE_SPLIT_CELLS)
+#   steps      scripts/time_paths.py steps: the GDN decode step on tensor cores and token by token ($STEP_CELLS)
 #   sm100      the first run on an SM100 machine: sm_100a (or sm_103a) builds, every GPU test, the sanitizers, the decode, GDN and
 #              KDA sweeps; on another GPU a dry run (builds, test collection, the sweeps' grids, the sanitizer's presence)
 #   profile-CASE  one kernel under ncu's source counters, warp stalls per line of its Python (scripts/profile_lines.py:
@@ -127,14 +129,18 @@ for stage in $stages; do
           run paths_old_$round.log $t python3 scripts/time_paths.py paths ${PATH_CELLS:-}
         TAIL=12 run paths_new_$round.log $t python3 scripts/time_paths.py paths ${PATH_CELLS:-}
       done ;;
-    decode-splits)   # split-KV decode per scheduler and min_kv on short-KV cells ($DECODE_SPLIT_CELLS)
-      TAIL=10 run decode_splits.log $t python3 scripts/time_paths.py decode ${DECODE_SPLIT_CELLS:-} ;;
+    decode-splits)   # split-KV decode per split count on short-KV cells ($DECODE_SPLIT_CELLS)
+      TAIL=12 run decode_splits.log $t python3 scripts/time_paths.py decode ${DECODE_SPLIT_CELLS:-} ;;
+    steps)   # the GDN decode step on tensor cores and token by token ($STEP_CELLS)
+      TAIL=12 run steps.log $t python3 scripts/time_paths.py steps ${STEP_CELLS:-} ;;
     peers-*)   # peers-OP-GRID: ours, FLA and FlashInfer in one process; FlashQLA (if installed) in its own; merged
       spec=${stage#peers-}; op=${spec%%-*}; grid=${spec#*-}
       rm -rf "$dest/peers_main" "$dest/peers_qla"
-      TAIL=40 run "peers_${op}_$grid.log" $t python3 -m benchmarks.sweep --op "$op" --grid "$grid" --graph \
+      # --graph: the chunked ops' sweep times CUDA-graph replay on request; the decode sweeps always do
+      graph=$(case "$op" in gdn|kda) echo --graph ;; esac)
+      TAIL=40 run "peers_${op}_$grid.log" $t python3 -m benchmarks.sweep --op "$op" --grid "$grid" $graph \
         --peers fla,flashinfer --out "$dest/peers_main" ${BENCH_ARGS:-}
-      if [ -f /tmp/site_flashqla/.complete ]; then
+      if [ -f /tmp/site_flashqla/.complete ] && [ "$op" = gdn ]; then   # FlashQLA: the chunked GDN only
         PYTHONPATH=/tmp/site_flashqla${PYTHONPATH:+:$PYTHONPATH} TAIL=10 run "peers_${op}_${grid}_flashqla.log" $t \
           python3 -m benchmarks.sweep --op "$op" --grid "$grid" --graph --no-ours --peers flashqla \
           --out "$dest/peers_qla" ${BENCH_ARGS:-}

@@ -6,8 +6,11 @@ beside it); prints one line each, as it goes.
     python3 scripts/time_paths.py phases   [B,H,T;...]   # phase 1 and the state pass alone
     python3 scripts/time_paths.py merges                 # every affine-merge impl, and lse_merge
     python3 scripts/time_paths.py host                   # an eager call's wall time at small T (host-bound)
-    python3 scripts/time_paths.py decode   [B,Hq,Hkv,L;...] # split-KV decode per scheduler and min_kv (how far
-                                                        # the split pays where the units' KV is short)
+    python3 scripts/time_paths.py decode   [B,Hq,Hkv,L;...] # split-KV decode: the default plan, each split
+                                                        # count forced, stream-K, torch SDPA beside
+    python3 scripts/time_paths.py steps    [B,HV,Sq;...]    # GDN decode step (engine form: pool, gates and
+                                                        # l2norm in the kernel, GVA 2) on tensor cores and
+                                                        # token by token, whatever the planner's rule
 
 Cells default to a few seed cells; TIME_OPS=gdn,kda picks the ops.
 """
@@ -124,31 +127,65 @@ def host():
                   f"{graph_us(lambda: op(*x)):.1f} us ({ck.last_plan().splitlines()[-1]})", flush=True)
 
 
-DECODE_CELLS = "1,32,8,512;1,32,8,1024;1,32,8,4096;1,32,4,4096;2,32,8,4096;1,32,8,16384"
+DECODE_CELLS = ("1,32,8,512;1,32,8,1024;1,32,8,4096;1,32,8,16384;2,32,8,1024;2,32,8,4096;4,32,8,4096;8,32,8,4096;"
+                "1,32,4,4096")
+SPLITS = (2, 4, 8, 16, 32, 64)
 
 
 def decode(arg):
+    import torch.nn.functional as F
+
     import cute_kernels as ck
     from schedulers.splitkv import SplitKVScheduler, StreamKScheduler
 
-    schedulers = [("split-kv", SplitKVScheduler(min_kv=m)) for m in (64, 128, 256, 512, 1024, 4096)]
-    schedulers.append(("stream-k", StreamKScheduler()))
     for B, Hq, Hkv, L in cells(arg or DECODE_CELLS):
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(B, Hq, 128, generator=gen).bfloat16().cuda()
         k = torch.randn(B, L, Hkv, 128, generator=gen).bfloat16().cuda()
         v = torch.randn(B, L, Hkv, 128, generator=gen).bfloat16().cuda()
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        schedulers = [("default", None)] + [(f"{n} splits", SplitKVScheduler(num_splits=n)) for n in SPLITS
+                                           if L // n >= 64 and n * B * Hkv <= 4 * sms]
+        schedulers.append(("stream-k", StreamKScheduler()))
         line = []
         for name, sched in schedulers:
             call = lambda s=sched: ck.decode_attention(q, k, v, lens, scheduler=s)  # noqa: E731
             call()
-            splits = ck.last_plan().splitlines()[1].split("; ")[-1]
-            line.append(f"{name}/{getattr(sched, 'min_kv', '')} {graph_us(call):.1f} us ({splits})")
-        print(f"decode B={B} Hq={Hq} Hkv={Hkv} L={L}: " + " | ".join(line), flush=True)
+            splits = ck.last_plan().splitlines()[1].split("; ")[-1] if name in ("default", "stream-k") else ""
+            line.append(f"{name} {graph_us(call):.1f}" + (f" ({splits})" if splits else ""))
+        qs, ks, vs = q[:, :, None], k.transpose(1, 2), v.transpose(1, 2)
+        line.append(f"sdpa {graph_us(lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)):.1f}")
+        print(f"decode B={B} Hq={Hq} Hkv={Hkv} L={L} (us): " + " | ".join(line), flush=True)
+
+
+STEP_CELLS = "256,32,1;256,32,2;256,32,4;256,32,8;32,32,8;32,8,8;8,8,8;1,8,8"
+
+
+def steps(arg):
+    """The GDN decode step in the benchmark's engine form, with the tensor-core rule forced each way."""
+    import cute_kernels as ck
+    from benchmarks.recurrent_decode import StepCell, make_inputs, ours
+    from cute_kernels.ops import recurrent as rec
+
+    planned = rec.use_tensor_cores
+    for B, HV, Sq in cells(arg or STEP_CELLS):
+        cell = StepCell(B=B, H=HV, Sq=Sq)
+        fn = ours(False)(make_inputs(cell, False, "cuda"), cell)
+        line = []
+        forced = lambda kda, varlen, spec, T, items: not (kda or varlen or spec) and 2 <= T <= 8  # noqa: E731
+        for name, rule in (("planned", planned), ("tensor cores", forced), ("token by token", lambda *a: False)):
+            rec.use_tensor_cores = rule
+            try:
+                fn()
+                us = graph_us(fn)
+                line.append(f"{name} {us:.1f} us ({cell.state_bytes() / us / 1e6:.2f} TB/s)")
+            finally:
+                rec.use_tensor_cores = planned
+        print(f"gdn step B={B} HV={HV} Sq={Sq}: " + " | ".join(line), flush=True)
 
 
 if __name__ == "__main__":
     mode, arg = (sys.argv + [None, None])[1:3]
     {"paths": paths, "phases": phases, "merges": lambda _: merges(), "host": lambda _: host(),
-     "decode": decode}[mode or "paths"](arg)
+     "decode": decode, "steps": steps}[mode or "paths"](arg)

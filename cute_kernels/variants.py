@@ -171,16 +171,21 @@ def _variants() -> list[Variant]:
         out.append(Variant("decode_attention", f"decode_fixup_g{group}_{_dtype_tag(io)}",
                            lambda d, g=group, io=io: build_decode_fixup(g, io, dump_dir=d), ("ex2.approx", LD_GLOBAL_16B),
                            ANY))
-    # the recurrent decode step (every arch): plain GDN; GVA with a dense state and the gate in the kernel (fp16,
-    # fp32 beta); KDA with every flag, a pool and speculative writes
+    # the recurrent decode step (every arch): plain GDN; the engine form; GVA with a dense state and the gate in the
+    # kernel (fp16, fp32 beta); KDA with every flag, a pool and speculative writes
     for name, cfg, io, gd, bd in [
             ("recurrent_gdn", RecurrentConfig(), bf, f32, bf),
             ("recurrent_gdn_dense_tokens4", RecurrentConfig(initial="dense", final="dense", tokens=4), bf, f32, bf),
             ("recurrent_gdn_dense_tokens8_tensor_cores", RecurrentConfig(initial="dense", final="dense", tokens=8,
                                                                       tensor_cores=True), bf, f32, bf),
-            ("recurrent_gdn_gva2_pool_l2norm_gate_tokens3_tensor_cores",
+            # the engine form (benchmarks/recurrent_decode.py) where the planner runs each step: 8 tokens on
+            # tensor cores, 4 token by token
+            ("recurrent_gdn_gva2_pool_l2norm_gate_tokens8_tensor_cores",
              RecurrentConfig(group=2, initial="pool", final="pool", l2norm=True, gate_in_kernel=True, a_log=True,
-                             dt_bias=True, beta_sigmoid=True, tokens=3, tensor_cores=True), bf, f32, bf),
+                             dt_bias=True, beta_sigmoid=True, tokens=8, tensor_cores=True), bf, bf, bf),
+            ("recurrent_gdn_gva2_pool_l2norm_gate_tokens4",
+             RecurrentConfig(group=2, initial="pool", final="pool", l2norm=True, gate_in_kernel=True, a_log=True,
+                             dt_bias=True, beta_sigmoid=True, tokens=4), bf, bf, bf),
             ("recurrent_kda_pool_l2norm_tokens1", RecurrentConfig(kda=True, initial="pool", final="pool", l2norm=True,
                                                                   tokens=1), bf, f32, bf),
             ("recurrent_gdn_gva4_dense_gate_fp16", RecurrentConfig(group=4, initial="dense", final="dense",

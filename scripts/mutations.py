@@ -170,6 +170,16 @@ CPU_MUTANTS = [
     Mutant("slowest peer taken as the best", "benchmarks.report.summarize_peers", "benchmarks/report.py",
            "best = min(row[\"peers\"], key=row[\"peers\"].get)", "best = max(row[\"peers\"], key=row[\"peers\"].get)",
            (BENCH_PEERS,)),
+    # -- the planners' measured rules
+    Mutant("decode split planned at two CTAs per SM", "split-KV default plan (schedulers.splitkv)",
+           "schedulers/splitkv.py", "SPLIT_CTAS_PER_SM = 1", "SPLIT_CTAS_PER_SM = 2",
+           ("tests/test_splitkv.py@one_wave", "tests/test_decode.py@planned_from_the_bound")),
+    Mutant("tensor-core step from 2 tokens", "decode step planner (ops.recurrent.use_tensor_cores)",
+           "cute_kernels/ops/recurrent.py", "TC_MIN_TOKENS = 5", "TC_MIN_TOKENS = 2",
+           ("tests/test_recurrent.py@measured_faster",)),
+    Mutant("tensor-core step on any grid", "decode step planner (ops.recurrent.use_tensor_cores)",
+           "cute_kernels/ops/recurrent.py", "and items >= TC_MIN_ITEMS", "",
+           ("tests/test_recurrent.py@measured_faster",)),
 ]
 
 # GPU: bugs planted in the kernels (and the launches' host side), each against a few GPU tests that must catch it.

@@ -6,7 +6,8 @@
 Cells: B x KV length x (Hq, Hkv), D = 128, bf16, contiguous cache (the full grid), plus paged caches (page size
 16 and 64, pages in shuffled order) and ragged lengths (uniform in [1, L], the first row at L) on a subset.
 Per cell and implementation: GPU time per call under CUDA-graph replay (the number compared), the eager host
-time per call beside it, and the output's error against ours. The copy bandwidth is measured once in the same
+time per call beside it, and the output's error against ours. A cache smaller than twice the L2 is timed over
+several input sets in turn (same lengths, fresh q, K, V), so no call reads the cache the call before left in L2. The copy bandwidth is measured once in the same
 run (a 1 GiB device-to-device copy); the floor of a cell is its K + V bytes at that bandwidth.
 
 Peers: torch SDPA (contiguous caches; ragged rows through a key mask), FlashAttention-4's
@@ -163,6 +164,7 @@ def peer_fa4():
 def peer_flashinfer():
     import flashinfer
 
+    # one workspace for every wrapper: a cell's input sets share lengths and pages, so their plans are the same
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 
     def prepare(x, cell):
@@ -197,41 +199,50 @@ def time_both(timer, fn) -> tuple[float, float, str | None]:
         return gpu, eager, f"{type(e).__name__}: {e}"[:300]
 
 
-def run_cell(cell: DecodeCell, ours_call, peers: dict, timer, copy_tbps: float) -> dict:
-    x = make_inputs(cell, "cuda")
+def run_cell(cell: DecodeCell, ours_call, peers: dict, timer, copy_tbps: float, l2_bytes: float) -> dict:
+    from benchmarks.sweep import input_set_count, rotating
+
+    # Input sets share the lengths and page table (fixed seed) and differ in q, K, V; the timed calls rotate
+    # through them, so a cache that fits in L2 is not read from L2.
+    n_sets = input_set_count(cell.cache_bytes(), l2_bytes)
+    xs = [make_inputs(cell, "cuda") for _ in range(n_sets)]
+    x = xs[0]
     nbytes = kv_bytes(x, cell)
     row = {**asdict(cell), "D": D, "paged": cell.page_size, "ours_us": None, "ours_eager_us": None, "peers": {},
            "peers_eager": {}, "peer_errors": {}, "rel_err": {}, "best_peer": None, "speedup_vs_best": None,
            "kv_bytes": nbytes, "tbps": None, "copy_tbps": copy_tbps, "floor_us": nbytes / (copy_tbps * 1e6),
-           "of_copy_bw": None, "notes": {}}
+           "of_copy_bw": None, "input_sets": n_sets, "notes": {}}
     ref = None
     try:
         ref = ours_call(x, cell)
         torch.cuda.synchronize()
-        us, eager, err = time_both(timer, lambda: ours_call(x, cell))
+        us, eager, err = time_both(timer, rotating(lambda xi: ours_call(xi, cell), xs))
         tbps = nbytes / (us * 1e6)
         row.update(ours_us=us, ours_eager_us=eager, tbps=tbps, of_copy_bw=tbps / copy_tbps)
         if err:
             row["notes"]["ours_graph_error"] = err
     except Exception as e:
         row["notes"]["ours_error"] = f"{type(e).__name__}: {e}"[:300]
-    time_peers(row, peers, x, cell, ref, timer)
+    time_peers(row, peers, xs, cell, ref, timer)
     return row
 
 
-def time_peers(row: dict, peers: dict, x: dict, cell, ref, timer) -> None:
-    """Each peer's output error against ours (`ref`; a peer's output is compared in ref's shape) and its graph /
-    eager times into `row` (a failure as its reason), then the best peer and the speed-up over it."""
+def time_peers(row: dict, peers: dict, xs: list, cell, ref, timer) -> None:
+    """Each peer's output error against ours (`ref`, from xs[0]; a peer's output is compared in ref's shape) and
+    its graph / eager times, rotating through the input sets `xs`, into `row` (a failure as its reason), then the
+    best peer and the speed-up over it."""
+    from benchmarks.sweep import rotating
+
     for name, prepare in peers.items():
         try:
-            fn = prepare(x, cell)
-            out = fn()
+            calls = [prepare(x, cell) for x in xs]
+            out = calls[0]()
             torch.cuda.synchronize()
             if ref is not None:
                 row["rel_err"][name] = max_rel_err(out.reshape(ref.shape) if out.numel() == ref.numel() else out,
                                                    ref)
             del out
-            us, eager, err = time_both(timer, fn)
+            us, eager, err = time_both(timer, rotating(lambda call: call(), calls))
             row["peers"][name], row["peers_eager"][name] = us, eager
             if err:
                 row["notes"][f"{name}_graph_error"] = err
@@ -402,7 +413,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     from benchmarks import report
-    from benchmarks.sweep import NO_GPU_MSG, Timer, select_cells
+    from benchmarks.sweep import NO_GPU_MSG, Timer, l2_size, select_cells
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
@@ -425,10 +436,13 @@ def main(argv=None) -> int:
     stem = Path(args.out) / f"decode_{report.device_short_name(device)}_{date}{tag}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": device, "date": date, "torch": torch.__version__, "op": "decode", "grid": args.grid,
-            "scheduler": args.scheduler, "copy_tbps": copy_tbps, "peers_missing": missing, "timer": timer.name,
+            "scheduler": args.scheduler, "copy_tbps": copy_tbps, "l2_bytes": l2_size(), "peers_missing": missing,
+            "timer": timer.name,
             "time": "GPU time per call under CUDA-graph replay (eager host time per call beside it)"}
     call = ours(args.scheduler)
-    rows = sweep_cells(cells, lambda cell: run_cell(cell, call, peers, timer, copy_tbps), "decode", stem, meta)
+    l2_bytes = l2_size()
+    rows = sweep_cells(cells, lambda cell: run_cell(cell, call, peers, timer, copy_tbps, l2_bytes), "decode", stem,
+                       meta)
     print(format_table(rows))
     paths = write_plots(rows, stem, f"decode {report.device_short_name(device)} {date}")
     print("\n".join(f"wrote {p}" for p in [stem.with_suffix(".json"), *paths]))

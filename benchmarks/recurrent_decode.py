@@ -135,28 +135,32 @@ PEER_LOADERS = {"fla": peer_fla, "flashinfer": peer_flashinfer}
 
 # --------------------------------------------------------------------------- one cell
 
-def run_cell(cell: StepCell, kda: bool, ours_prepare, peers: dict, timer, copy_tbps: float) -> dict:
+def run_cell(cell: StepCell, kda: bool, ours_prepare, peers: dict, timer, copy_tbps: float,
+             l2_bytes: float) -> dict:
     from benchmarks.decode import time_both, time_peers
+    from benchmarks.sweep import input_set_count, rotating
 
-    x = make_inputs(cell, kda, "cuda")
+    # a state smaller than twice the L2 is timed over several input sets in turn (each with its own state)
+    n_sets = input_set_count(cell.state_bytes() // 2, l2_bytes)
+    xs = [make_inputs(cell, kda, "cuda", seed=i) for i in range(n_sets)]
     nbytes = cell.state_bytes()
     row = {**asdict(cell), "K": D, "V": D, "group": GROUP, "ours_us": None, "ours_eager_us": None, "peers": {},
            "peers_eager": {}, "peer_errors": {}, "rel_err": {}, "best_peer": None, "speedup_vs_best": None,
            "state_bytes": nbytes, "state_tbps": None, "copy_tbps": copy_tbps, "floor_us": nbytes / (copy_tbps * 1e6),
-           "of_copy_bw": None, "notes": {}}
+           "of_copy_bw": None, "input_sets": n_sets, "notes": {}}
     ref = None
     try:
-        fn = ours_prepare(x, cell)
-        ref = fn().clone()   # the first call: from the given state, as every peer's first call
+        calls = [ours_prepare(x, cell) for x in xs]
+        ref = calls[0]().clone()   # the first call: from the given state, as every peer's first call
         torch.cuda.synchronize()
-        us, eager, err = time_both(timer, fn)
+        us, eager, err = time_both(timer, rotating(lambda call: call(), calls))
         tbps = nbytes / (us * 1e6)
         row.update(ours_us=us, ours_eager_us=eager, state_tbps=tbps, of_copy_bw=tbps / copy_tbps)
         if err:
             row["notes"]["ours_graph_error"] = err
     except Exception as e:
         row["notes"]["ours_error"] = f"{type(e).__name__}: {e}"[:300]
-    time_peers(row, peers, x, cell, ref, timer)
+    time_peers(row, peers, xs, cell, ref, timer)
     return row
 
 
@@ -231,7 +235,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     from benchmarks import report
     from benchmarks.decode import copy_bandwidth, load_peers, sweep_cells
-    from benchmarks.sweep import NO_GPU_MSG, Timer, select_cells
+    from benchmarks.sweep import NO_GPU_MSG, Timer, l2_size, select_cells
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
@@ -252,11 +256,12 @@ def main(argv=None) -> int:
     stem = Path(args.out) / f"{args.op}_{report.device_short_name(device)}_{date}{tag}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": device, "date": date, "torch": torch.__version__, "op": args.op, "grid": args.grid,
-            "copy_tbps": copy_tbps, "peers_missing": missing, "timer": timer.name,
+            "copy_tbps": copy_tbps, "l2_bytes": l2_size(), "peers_missing": missing, "timer": timer.name,
             "time": "GPU time per call under CUDA-graph replay (eager host time per call beside it)"}
     prepare = ours(kda)
-    rows = sweep_cells(cells, lambda cell: run_cell(cell, kda, prepare, peers, timer, copy_tbps), args.op, stem,
-                       meta)
+    l2_bytes = l2_size()
+    rows = sweep_cells(cells, lambda cell: run_cell(cell, kda, prepare, peers, timer, copy_tbps, l2_bytes), args.op,
+                       stem, meta)
     print(format_table(rows))
     path = write_heatmap(rows, stem.parent / (stem.name + "_speedup.png"),
                          f"{args.op} {report.device_short_name(device)} {date}")

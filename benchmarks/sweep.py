@@ -178,6 +178,17 @@ def select_cells(todo: list, spec: str) -> list:
     return [todo[i] for i in dict.fromkeys(picked)]
 
 
+def input_set_count(set_bytes: int, l2_bytes: float) -> int:
+    """How many input sets a cell rotates through: enough that one pass over them is twice the L2 (at most
+    MAX_INPUT_SETS), so a timed call does not find its inputs left in L2 by the call before."""
+    return 1 if set_bytes >= 2 * l2_bytes else min(MAX_INPUT_SETS, math.ceil(2 * l2_bytes / set_bytes))
+
+
+def l2_size() -> float:
+    """Bytes of L2 on the current GPU (L2_BYTES where torch does not say)."""
+    return getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or L2_BYTES
+
+
 def rotating(call, input_sets):
     """A zero-argument callable that runs ``call`` on the next input set each time."""
     it = itertools.cycle(input_sets)
@@ -216,7 +227,7 @@ def run_cell(op, B, H, T, *, dtype, ours, peers, timer, ceilings, l2_bytes, grap
 
     first = ops.make_inputs(op, B, H, T, dtype, "cuda")
     set_bytes = ops.inputs_nbytes(first)
-    n_sets = 1 if set_bytes >= 2 * l2_bytes else min(MAX_INPUT_SETS, math.ceil(2 * l2_bytes / set_bytes))
+    n_sets = input_set_count(set_bytes, l2_bytes)
     sets = [first] + [ops.make_inputs(op, B, H, T, dtype, "cuda") for _ in range(n_sets - 1)]
     extra["input_sets"] = n_sets
 
@@ -327,7 +338,7 @@ def main(argv=None) -> int:
     props = torch.cuda.get_device_properties(0)
     device_name = torch.cuda.get_device_name(0)
     ceilings = roofline.Ceilings.from_cli(args.bw_tbs or roofline.copy_bw_tbs(device_name), args.tflops)
-    l2_bytes = getattr(props, "L2_cache_size", 0) or L2_BYTES
+    l2_bytes = l2_size()
     timer = Timer(args.reps, args.warmup_ms, args.rep_ms)
     date = datetime.date.today().isoformat()
     meta = {

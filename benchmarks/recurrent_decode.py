@@ -6,9 +6,12 @@ imports, in the same run, on one CUDA GPU.
 
 Cells: B sequences x HV value heads (GVA 2: H = HV / 2 q/k heads) x Sq new tokens, K = V = 128, bf16, the serving
 engines' form: raw gates with A_log and dt_bias (use_gate_in_kernel), beta as a logit, q/k l2-normalized in the
-kernel, fp32 states updated in place in a pool (ours, FlashInfer) or written to a new tensor (FLA: the same
-bytes). Per cell and implementation: GPU time per call under CUDA-graph replay (compared), the eager host time
-beside it, the output's error against ours. state_tbps: the state's bytes (read once, written once: 2 x B x HV x
+kernel, fp32 states. Ours runs in two forms: `pool` (the engine's: states read from and written back in place to
+pool slots through the index arrays, `ours_us`) and `dense` (FLA's: a dense initial state, the final state
+written to a new tensor: the same bytes without the index loads, `ours_dense_us`). Each peer is compared with
+ours in the form it runs (`peer_forms`): FLA dense; FlashInfer dense at Sq = 1 (its fp32 kernel there has no
+pool), pool above. Per cell and implementation: GPU time per call under CUDA-graph replay (compared), the eager
+host time beside it, the output's error against ours. state_tbps: the state's bytes (read once, written once: 2 x B x HV x
 K x V x 4) per GPU time, against a device-to-device copy measured in the same run.
 
 Peers: FLA's fused_recurrent (Triton), FlashInfer's GDN decode (`gated_delta_rule_decode_pretranspose` with an
@@ -78,14 +81,17 @@ def make_inputs(cell: StepCell, kda: bool, device, seed: int = 0) -> dict:
 
 # --------------------------------------------------------------------------- the implementations
 
-def ours(kda: bool):
+def ours(kda: bool, form: str = "pool"):
+    """Ours in `form`: "pool" (states through pool slots, in place) or "dense" (FLA's call: a new final state)."""
     import cute_kernels as ck
 
     def prepare(x, cell):
-        pool = x["state"].clone()
-        kw = dict(initial_state=pool, initial_state_indices=x["idx"], final_state_indices=x["idx"],
-                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+        kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
                   use_beta_sigmoid_in_kernel=True)
+        if form == "pool":
+            kw.update(initial_state=x["state"].clone(), initial_state_indices=x["idx"], final_state_indices=x["idx"])
+        else:
+            kw.update(initial_state=x["state"], output_final_state=True)
         if kda:
             return lambda: ck.fused_recurrent_kda(x["q"], x["k"], x["v"], x["a"], x["b"], **kw)[0]
         return lambda: ck.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["a"], beta=x["b"], **kw)[0]
@@ -131,36 +137,67 @@ def peer_flashinfer(kda: bool):
 
 
 PEER_LOADERS = {"fla": peer_fla, "flashinfer": peer_flashinfer}
+FORMS = ("pool", "dense")
+
+
+def peer_form(name: str, cell: StepCell) -> str:
+    """The state form a peer's call runs in, so it is compared with ours in the same form."""
+    return "dense" if name == "fla" or cell.Sq == 1 else "pool"
+
+
+def compare_in_forms(row: dict, cell: StepCell) -> None:
+    """Each peer's form, ours in that form over the peer (`speedup_vs_peer`), and the best peer with the speed-up
+    over it, both by that same-form ratio (time_peers's plain ratio uses the pool form for every peer)."""
+    ours_in = {"pool": row["ours_us"], "dense": row["ours_dense_us"]}
+    row["peer_forms"] = {name: peer_form(name, cell) for name in row["peers"]}
+    row["speedup_vs_peer"] = {name: us / ours_in[row["peer_forms"][name]]
+                              for name, us in row["peers"].items() if ours_in[row["peer_forms"][name]]}
+    row["best_peer"] = min(row["peers"], key=row["peers"].get) if row["peers"] else None
+    row["speedup_vs_best"] = row["speedup_vs_peer"].get(row["best_peer"])
 
 
 # --------------------------------------------------------------------------- one cell
 
-def run_cell(cell: StepCell, kda: bool, ours_prepare, peers: dict, timer, copy_tbps: float,
+def run_cell(cell: StepCell, kda: bool, ours_prepare: dict, peers: dict, timer, copy_tbps: float,
              l2_bytes: float) -> dict:
+    """`ours_prepare`: form -> prepare (FORMS)."""
     from benchmarks.decode import time_both, time_peers
+    from benchmarks.ops import max_rel_err
     from benchmarks.sweep import input_set_count, rotating
 
     # a state smaller than twice the L2 is timed over several input sets in turn (each with its own state)
     n_sets = input_set_count(cell.state_bytes() // 2, l2_bytes)
     xs = [make_inputs(cell, kda, "cuda", seed=i) for i in range(n_sets)]
     nbytes = cell.state_bytes()
-    row = {**asdict(cell), "K": D, "V": D, "group": GROUP, "ours_us": None, "ours_eager_us": None, "peers": {},
-           "peers_eager": {}, "peer_errors": {}, "rel_err": {}, "best_peer": None, "speedup_vs_best": None,
-           "state_bytes": nbytes, "state_tbps": None, "copy_tbps": copy_tbps, "floor_us": nbytes / (copy_tbps * 1e6),
-           "of_copy_bw": None, "input_sets": n_sets, "notes": {}}
+    row = {**asdict(cell), "K": D, "V": D, "group": GROUP, "ours_us": None, "ours_dense_us": None,
+           "ours_eager_us": None, "peers": {}, "peers_eager": {}, "peer_errors": {}, "rel_err": {},
+           "best_peer": None, "speedup_vs_best": None, "state_bytes": nbytes, "state_tbps": None,
+           "copy_tbps": copy_tbps, "floor_us": nbytes / (copy_tbps * 1e6), "of_copy_bw": None, "input_sets": n_sets,
+           "notes": {}}
     ref = None
-    try:
-        calls = [ours_prepare(x, cell) for x in xs]
-        ref = calls[0]().clone()   # the first call: from the given state, as every peer's first call
-        torch.cuda.synchronize()
-        us, eager, err = time_both(timer, rotating(lambda call: call(), calls))
-        tbps = nbytes / (us * 1e6)
-        row.update(ours_us=us, ours_eager_us=eager, state_tbps=tbps, of_copy_bw=tbps / copy_tbps)
-        if err:
-            row["notes"]["ours_graph_error"] = err
-    except Exception as e:
-        row["notes"]["ours_error"] = f"{type(e).__name__}: {e}"[:300]
+    for form in FORMS:
+        try:
+            calls = [ours_prepare[form](x, cell) for x in xs]
+            out = calls[0]().clone()   # the first call: from the given state, as every peer's first call
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = out
+            else:
+                row["notes"]["ours_forms_rel_err"] = max_rel_err(out, ref)
+            us, eager, err = time_both(timer, rotating(lambda call: call(), calls))
+            if form == "dense":
+                row["ours_dense_us"] = us
+            else:
+                tbps = nbytes / (us * 1e6)
+                row.update(ours_us=us, ours_eager_us=eager, state_tbps=tbps, of_copy_bw=tbps / copy_tbps)
+            if err:
+                row["notes"][f"ours_{form}_graph_error"] = err
+        except Exception as e:
+            row["notes"][f"ours_{form}_error"] = f"{type(e).__name__}: {e}"[:300]
+    if "ours_pool_error" in row["notes"]:
+        row["notes"]["ours_error"] = row["notes"]["ours_pool_error"]
     time_peers(row, peers, xs, cell, ref, timer)
+    compare_in_forms(row, cell)
     return row
 
 
@@ -168,13 +205,14 @@ def run_cell(cell: StepCell, kda: bool, ours_prepare, peers: dict, timer, copy_t
 
 def format_table(rows: list[dict]) -> str:
     names = sorted({n for r in rows for n in list(r["peers"]) + list(r["peer_errors"])})
-    head = f"{'cell':22s} {'ours us':>8s} {'TB/s':>6s} {'of copy':>7s} " + " ".join(f"{n:>10s}" for n in names) + \
-        f" {'best':>10s} {'x best':>7s}"
+    head = f"{'cell':22s} {'ours us':>8s} {'dense':>8s} {'TB/s':>6s} {'of copy':>7s} " + \
+        " ".join(f"{n:>10s}" for n in names) + f" {'best':>10s} {'x best':>7s}"
     lines = [head, "-" * len(head)]
     for r in rows:
         cell = StepCell(r["B"], r["H"], r["Sq"])
         peers = " ".join(f"{r['peers'][n]:10.1f}" if n in r["peers"] else f"{'-':>10s}" for n in names)
         us = f"{r['ours_us']:8.1f}" if r["ours_us"] else f"{'FAIL':>8s}"
+        us += f" {r['ours_dense_us']:8.1f}" if r.get("ours_dense_us") else f" {'-':>8s}"
         tb = f"{r['state_tbps']:6.2f}" if r["state_tbps"] else f"{'-':>6s}"
         frac = f"{r['of_copy_bw']:7.0%}" if r["of_copy_bw"] else f"{'-':>7s}"
         sp = r["speedup_vs_best"]
@@ -206,7 +244,7 @@ def write_heatmap(rows: list[dict], path: Path, title: str) -> Path:
     span = max(float(np.abs(np.log2(finite)).max()) if finite.size else 0.0, math.log2(1.25))
     im = ax.imshow(np.ma.masked_invalid(np.log2(data)), cmap=plt.get_cmap("RdYlGn").with_extremes(bad="lightgrey"),
                    norm=Normalize(-span, span), aspect="auto")
-    fig.colorbar(im, ax=ax, label="log2 speed-up over the best peer (CUDA graph)")
+    fig.colorbar(im, ax=ax, label="log2 speed-up over the best peer (CUDA graph; ours in its form)")
     for i in range(len(keys)):
         for j in range(len(cols)):
             ax.text(j, i, f"{data[i, j]:.2f}" if np.isfinite(data[i, j]) else "·", ha="center", va="center",

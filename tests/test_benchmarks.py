@@ -603,3 +603,24 @@ def test_decode_peers_timed_rotating_through_the_input_sets(monkeypatch):
     assert seen[0] == 0                       # the checked output is from the first set
     assert seen[1:] == [0, 1, 2, 0, 1, 2]     # the timed calls cycle through every set
     assert row["peers"]["p"] == 1.0 and row["speedup_vs_best"] == 0.5
+
+
+def test_decode_step_peers_compared_with_ours_in_their_form():
+    """FLA's dense call is compared with our dense call, FlashInfer's pool call (Sq > 1) with our pool call."""
+    from benchmarks import recurrent_decode as rd
+
+    def row(sq, peers):
+        r = {"ours_us": 10.0, "ours_dense_us": 8.0, "peers": peers}
+        rd.compare_in_forms(r, rd.StepCell(4, 8, sq))
+        return r
+
+    r = row(1, {"fla": 9.0, "flashinfer": 9.5})
+    assert r["peer_forms"] == {"fla": "dense", "flashinfer": "dense"}     # FlashInfer's Sq = 1 kernel has no pool
+    assert r["best_peer"] == "fla" and r["speedup_vs_best"] == pytest.approx(9.0 / 8.0)
+    r = row(4, {"fla": 12.0, "flashinfer": 9.5})
+    assert r["peer_forms"] == {"fla": "dense", "flashinfer": "pool"}
+    assert r["best_peer"] == "flashinfer" and r["speedup_vs_best"] == pytest.approx(0.95)
+    assert r["speedup_vs_peer"]["fla"] == pytest.approx(1.5)
+    r = {"ours_us": 10.0, "ours_dense_us": None, "peers": {"fla": 9.0}}    # our dense call failed: no ratio
+    rd.compare_in_forms(r, rd.StepCell(4, 8, 1))
+    assert r["speedup_vs_best"] is None and r["best_peer"] == "fla"

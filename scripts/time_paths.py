@@ -7,7 +7,9 @@ beside it); prints one line each, as it goes.
     python3 scripts/time_paths.py merges                 # every affine-merge impl, and lse_merge
     python3 scripts/time_paths.py host                   # an eager call's wall time at small T (host-bound)
     python3 scripts/time_paths.py decode   [B,Hq,Hkv,L;...] # split-KV decode: the default plan, each split
-                                                        # count forced, stream-K, torch SDPA beside
+                                                        # count forced, stream-K, torch SDPA beside (decode
+                                                        # and steps: input sets rotated past the L2, many
+                                                        # calls a graph, as the decode sweeps)
     python3 scripts/time_paths.py steps    [B,HV,Sq;...]    # GDN decode step (engine form: pool, gates and
                                                         # l2norm in the kernel, GVA 2) on tensor cores and
                                                         # token by token, whatever the planner's rule
@@ -23,7 +25,7 @@ import time
 
 import torch
 
-from benchmarks.sweep import graph_replay_us
+from benchmarks.sweep import graph_replay_us, input_set_count, l2_size, rotating
 
 CELLS = "1,4,1024;1,4,16384;1,16,4096;2,16,8192;16,64,4096"
 
@@ -31,6 +33,12 @@ CELLS = "1,4,1024;1,4,16384;1,16,4096;2,16,8192;16,64,4096"
 def graph_us(fn) -> float:
     """Median GPU time of one call of `fn`, from 20 replays of a CUDA graph of it (no host launch gaps)."""
     return graph_replay_us(fn, calls=1, replays=20, warmup=3)
+
+
+def rotated_graph_us(call, sets: list) -> float:
+    """GPU time per call of `call(x)` over the input sets in turn, many calls captured in one CUDA graph (the
+    decode sweep's method: no call finds its inputs left in L2 by the one before, no launch gap between calls)."""
+    return graph_replay_us(rotating(call, sets), calls=max(20, 2 * len(sets)), replays=7, warmup=len(sets) + 1)
 
 
 def eager_us(fn, reps: int = 20) -> float:
@@ -140,9 +148,10 @@ def decode(arg):
 
     for B, Hq, Hkv, L in cells(arg or DECODE_CELLS):
         gen = torch.Generator().manual_seed(0)
-        q = torch.randn(B, Hq, 128, generator=gen).bfloat16().cuda()
-        k = torch.randn(B, L, Hkv, 128, generator=gen).bfloat16().cuda()
-        v = torch.randn(B, L, Hkv, 128, generator=gen).bfloat16().cuda()
+        n_sets = input_set_count(2 * B * L * Hkv * 128 * 2, l2_size())
+        sets = [{"q": torch.randn(B, Hq, 128, generator=gen).bfloat16().cuda(),
+                 "k": torch.randn(B, L, Hkv, 128, generator=gen).bfloat16().cuda(),
+                 "v": torch.randn(B, L, Hkv, 128, generator=gen).bfloat16().cuda()} for _ in range(n_sets)]
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         schedulers = [("default", None)] + [(f"{n} splits", SplitKVScheduler(num_splits=n)) for n in SPLITS
@@ -150,13 +159,14 @@ def decode(arg):
         schedulers.append(("stream-k", StreamKScheduler()))
         line = []
         for name, sched in schedulers:
-            call = lambda s=sched: ck.decode_attention(q, k, v, lens, scheduler=s)  # noqa: E731
-            call()
+            call = lambda x, s=sched: ck.decode_attention(x["q"], x["k"], x["v"], lens, scheduler=s)  # noqa: E731
+            call(sets[0])
             splits = ck.last_plan().splitlines()[1].split("; ")[-1] if name in ("default", "stream-k") else ""
-            line.append(f"{name} {graph_us(call):.1f}" + (f" ({splits})" if splits else ""))
-        qs, ks, vs = q[:, :, None], k.transpose(1, 2), v.transpose(1, 2)
-        line.append(f"sdpa {graph_us(lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)):.1f}")
-        print(f"decode B={B} Hq={Hq} Hkv={Hkv} L={L} (us): " + " | ".join(line), flush=True)
+            line.append(f"{name} {rotated_graph_us(call, sets):.1f}" + (f" ({splits})" if splits else ""))
+        sdpa = lambda x: F.scaled_dot_product_attention(x["q"][:, :, None], x["k"].transpose(1, 2),  # noqa: E731
+                                                       x["v"].transpose(1, 2), enable_gqa=True)
+        line.append(f"sdpa {rotated_graph_us(sdpa, sets):.1f}")
+        print(f"decode B={B} Hq={Hq} Hkv={Hkv} L={L} ({n_sets} input sets; us): " + " | ".join(line), flush=True)
 
 
 STEP_CELLS = "256,32,1;256,32,2;256,32,4;256,32,8;32,32,8;32,8,8;8,8,8;1,8,8"
@@ -171,18 +181,19 @@ def steps(arg):
     planned = rec.use_tensor_cores
     for B, HV, Sq in cells(arg or STEP_CELLS):
         cell = StepCell(B=B, H=HV, Sq=Sq)
-        fn = ours(False)(make_inputs(cell, False, "cuda"), cell)
+        n_sets = input_set_count(cell.state_bytes() // 2, l2_size())
+        calls = [ours(False)(make_inputs(cell, False, "cuda", seed=i), cell) for i in range(n_sets)]
         line = []
         forced = lambda kda, varlen, spec, T, items: not (kda or varlen or spec) and 2 <= T <= 8  # noqa: E731
         for name, rule in (("planned", planned), ("tensor cores", forced), ("token by token", lambda *a: False)):
             rec.use_tensor_cores = rule
             try:
-                fn()
-                us = graph_us(fn)
+                calls[0]()
+                us = rotated_graph_us(lambda call: call(), calls)
                 line.append(f"{name} {us:.1f} us ({cell.state_bytes() / us / 1e6:.2f} TB/s)")
             finally:
                 rec.use_tensor_cores = planned
-        print(f"gdn step B={B} HV={HV} Sq={Sq}: " + " | ".join(line), flush=True)
+        print(f"gdn step B={B} HV={HV} Sq={Sq} ({n_sets} input sets): " + " | ".join(line), flush=True)
 
 
 if __name__ == "__main__":

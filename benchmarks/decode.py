@@ -7,8 +7,9 @@ Cells: B x KV length x (Hq, Hkv), D = 128, bf16, contiguous cache (the full grid
 16 and 64, pages in shuffled order) and ragged lengths (uniform in [1, L], the first row at L) on a subset.
 Per cell and implementation: GPU time per call under CUDA-graph replay (the number compared), the eager host
 time per call beside it, and the output's error against ours. A cache smaller than twice the L2 is timed over
-several input sets in turn (same lengths, fresh q, K, V), so no call reads the cache the call before left in L2. The copy bandwidth is measured once in the same
-run (a 1 GiB device-to-device copy); the floor of a cell is its K + V bytes at that bandwidth.
+several input sets in turn (same lengths, fresh q, K, V), so no call reads the cache the call before left in L2.
+The copy bandwidth is measured once in the same run (a 1 GiB device-to-device copy); the floor of a cell is its
+K + V bytes at that bandwidth.
 
 Peers: torch SDPA (contiguous caches; ragged rows through a key mask), FlashAttention-4's
 `flash_attn_varlen_func` (seqused_k, page_table; no split-KV on SM90), FlashInfer's

@@ -11,8 +11,9 @@ pool slots through the index arrays, `ours_us`) and `dense` (FLA's: a dense init
 written to a new tensor: the same bytes without the index loads, `ours_dense_us`). Each peer is compared with
 ours in the form it runs (`peer_forms`): FLA dense; FlashInfer dense at Sq = 1 (its fp32 kernel there has no
 pool), pool above. Per cell and implementation: GPU time per call under CUDA-graph replay (compared), the eager
-host time beside it, the output's error against ours. state_tbps: the state's bytes (read once, written once: 2 x B x HV x
-K x V x 4) per GPU time, against a device-to-device copy measured in the same run.
+host time beside it, the output's error against ours. A state smaller than twice the L2 is timed over several
+input sets in turn. state_tbps: the state's bytes (read once, written once: 2 x B x HV x K x V x 4) per GPU time,
+against a device-to-device copy measured in the same run.
 
 Peers: FLA's fused_recurrent (Triton), FlashInfer's GDN decode (`gated_delta_rule_decode_pretranspose` with an
 fp32 state [B, HV, V, K] for Sq = 1, `gated_delta_rule_mtp` with an fp32 pool for Sq > 1; GDN only). A peer that

@@ -276,8 +276,12 @@ GPU_MUTANTS = [
            "visible = visible and t < length - config.q_len + row // config.group", G_DECODE_CAUSAL, True),
     Mutant("last partial block's length taken as 64", "decode split range (decode_fixup.split_range)", FIXUP,
            "    if kv_end > length:\n        kv_end = length\n", "", G_DECODE, True),
+    Mutant("first block loaded ahead from the next block's tokens", "decode producer (sm90.decode)", DECODE_SM90,
+           "self.load_block(load, state, tma_k, mK, tma_v, mV, sK, sV, work.chunk_start * C, b0,",
+           "self.load_block(load, state, tma_k, mK, tma_v, mV, sK, sV, work.chunk_start * C + C, b0,", G_DECODE,
+           True),
     Mutant("V rows past the cache length left as loaded", "decode consumer (sm90.decode)", DECODE_SM90,
-           "if kv0 + j * C + C > length:", "if kv0 + j * C + C > length + (1 << 30):", G_DECODE_NAN, True),
+           "if t0 + C > length:", "if t0 + C > length + (1 << 30):", G_DECODE_NAN, True),
     # -- GVA in the chunked forward
     Mutant("GVA: q / k read at the value head", "the q / k / v producer (chunk-local)", LOCAL,
            "h = head if group == 1 else head // group", "h = head", ("tests/test_gdn_sm90.py@gva and 1000",), True),

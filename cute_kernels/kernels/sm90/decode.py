@@ -56,6 +56,8 @@ class SplitKVDecodeSm90:
         self.num_stages = config.stages
         self.num_threads = 160
         self.tma_bytes = 2 * C * config.head_dim * io_dtype.width // 8
+        # an even split of a contiguous cache loads its first block before it reads the cache length
+        self.first_block_ahead = not config.persistent and not config.paged
 
     @cute.jit
     def __call__(
@@ -138,26 +140,42 @@ class SplitKVDecodeSm90:
 
     @cute.jit
     def producer(self, sched, load, tma_k, mK, tma_v, mV, sK, sV, mLens, mPages, page_size, num_kv_heads):
-        """The load warp: every block of every (non-padding) tile, K and V box by box (see the class docstring)."""
+        """The load warp: every block of every (non-padding) tile, K and V box by box (see the class docstring).
+        An even split of a contiguous cache (`first_block_ahead`) issues its first block before it reads the
+        cache length: the block's rows stay in its batch row's cache (boxes clipped to the capacity), and rows
+        past the length are masked or zeroed as usual."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         work = sched.initial_work()
         while work.is_valid:
             if work.seg_slot >= 0:
+                first = 0
+                if cutlass.const_expr(self.first_block_ahead):
+                    b0 = work.seq // num_kv_heads
+                    self.load_block(load, state, tma_k, mK, tma_v, mV, sK, sV, work.chunk_start * C, b0,
+                                    work.seq - b0 * num_kv_heads, page_size, mPages, page_size)
+                    state.advance()
+                    first = 1
                 b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, C, C)
-                for j in cutlass.range(blocks, unroll=1):
-                    load.producer_acquire(state)
-                    bar = load.producer_get_barrier(state)
-                    for k in cutlass.range_constexpr(C // BOX):
-                        row = box_row(kv0 + j * C + k * BOX, b, length, mPages, page_size, self.config.paged, BOX)
-                        for tma, m, s in ((tma_k, mK, sK), (tma_v, mV, sV)):
-                            g_box = cute.local_tile(cute.domain_offset((row, 0), m[None, None, kv_head]),
-                                                    (BOX, self.head_dim), (0, 0))
-                            s_part, g_part = cpasync.tma_partition(
-                                tma, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g_box, 0, 2))
-                            cute.copy(tma, g_part, s_part[(None, state.index * (C // BOX) + k)], tma_bar_ptr=bar)
+                for j in cutlass.range(first, blocks, unroll=1):
+                    self.load_block(load, state, tma_k, mK, tma_v, mV, sK, sV, kv0 + j * C, b, kv_head, length,
+                                    mPages, page_size)
                     state.advance()
             work = sched.advance(work)
         load.producer_tail(state)
+
+    @cute.jit
+    def load_block(self, load, state, tma_k, mK, tma_v, mV, sK, sV, t0, b, kv_head, length, mPages, page_size):
+        """K and V of the 64-token block at token t0 of batch row b into the stage of `state`, box by box."""
+        load.producer_acquire(state)
+        bar = load.producer_get_barrier(state)
+        for k in cutlass.range_constexpr(C // BOX):
+            row = box_row(t0 + k * BOX, b, length, mPages, page_size, self.config.paged, BOX)
+            for tma, m, s in ((tma_k, mK, sK), (tma_v, mV, sV)):
+                g_box = cute.local_tile(cute.domain_offset((row, 0), m[None, None, kv_head]),
+                                        (BOX, self.head_dim), (0, 0))
+                s_part, g_part = cpasync.tma_partition(
+                    tma, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g_box, 0, 2))
+                cute.copy(tma, g_part, s_part[(None, state.index * (C // BOX) + k)], tma_bar_ptr=bar)
 
     def row_copy(self, wtid):
         """(tiled copy, thread wtid's slice) of 16-byte row pieces over the consumer warpgroup: the q rows' stores
@@ -202,35 +220,47 @@ class SplitKVDecodeSm90:
         work = sched.initial_work()
         while work.is_valid:
             if work.seg_slot >= 0:
-                b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, C, C)
+                # q first: its loads need only the unit, so they are in flight with the cache length's
+                b0 = work.seq // num_kv_heads
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)   # the last tile's products read sQ
-                self.load_q(wtid, mQ, b, kv_head, sQ)
+                self.load_q(wtid, mQ, b0, work.seq - b0 * num_kv_heads, sQ)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, C, C)
                 row_max.fill(-Float32.inf)
                 row_sum.fill(0.0)
                 acc_o.fill(0.0)
-                for j in cutlass.range(blocks, unroll=1):
+                stages = blocks
+                if cutlass.const_expr(self.first_block_ahead):   # the first block was loaded in any case
+                    stages = cutlass.max(blocks, 1)
+                for j in cutlass.range(stages, unroll=1):
                     load.consumer_wait(state)
-                    box0 = state.index * (C // BOX)
-                    if kv0 + j * C + C > length:   # the cache's last block: rows past its length may hold NaN
-                        self.zero_rows_past(wtid, sV, box0, length - kv0 - j * C)
-                    acc_s = [cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, BOX)), Float32)
-                             for _ in range(C // BOX)]
-                    for k in cutlass.range_constexpr(C // BOX):
-                        wt.gemm(io, wtid, acc_s[k], sQ[None, None, 0], sK[None, None, box0 + k], False, False, False,
-                                BOX, wait=False)
-                    warpgroup.wait_group(0)
-                    self.online_softmax(acc_s, cc_s, acc_o, row_max, row_sum, kv0 + j * C, kv_end, length, scale,
-                                        softcap)
-                    for k in cutlass.range_constexpr(C // BOX):
-                        wt.gemm_rs(io, wtid, acc_o, wt.acc_to_a(io, acc_s[k]), sV_mn[None, None, box0 + k], True,
-                                   True, D, wait=False)
-                    warpgroup.wait_group(0)
+                    if j < blocks:
+                        self.attend_block(wtid, state, sQ, sK, sV, sV_mn, thr_s, cc_s, acc_o, row_max, row_sum,
+                                          kv0 + j * C, kv_end, length, scale, softcap)
                     load.consumer_release(state)
                     state.advance()
                 self.store(work, wtid, acc_o, cc_o, row_max, row_sum, sFlag, mO, mLse, mOp, mLp, mCount)
             work = sched.advance(work)
+
+    @cute.jit
+    def attend_block(self, wtid, state, sQ, sK, sV, sV_mn, thr_s, cc_s, acc_o, row_max, row_sum, t0, kv_end,
+                     length, scale, softcap):
+        """One 64-token block at token t0 (the stage of `state`): S = Q K^T, the online softmax, O += P V."""
+        io, D = self.io_dtype, self.head_dim
+        box0 = state.index * (C // BOX)
+        if t0 + C > length:   # the cache's last block: rows past its length may hold NaN
+            self.zero_rows_past(wtid, sV, box0, length - t0)
+        acc_s = [cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, BOX)), Float32) for _ in range(C // BOX)]
+        for k in cutlass.range_constexpr(C // BOX):
+            wt.gemm(io, wtid, acc_s[k], sQ[None, None, 0], sK[None, None, box0 + k], False, False, False, BOX,
+                    wait=False)
+        warpgroup.wait_group(0)
+        self.online_softmax(acc_s, cc_s, acc_o, row_max, row_sum, t0, kv_end, length, scale, softcap)
+        for k in cutlass.range_constexpr(C // BOX):
+            wt.gemm_rs(io, wtid, acc_o, wt.acc_to_a(io, acc_s[k]), sV_mn[None, None, box0 + k], True, True, D,
+                       wait=False)
+        warpgroup.wait_group(0)
 
     @cute.jit
     def zero_rows_past(self, wtid, sV, box0, valid):

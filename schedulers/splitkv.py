@@ -72,15 +72,23 @@ class DecodePlan:
 
 class SplitKVScheduler:
     """Even splits per unit (one CTA per split). `num_splits` forces a count (capped by the unit's blocks);
-    None plans it (`plan_segments`): one wave of `ctas_per_sm` CTAs per SM (None: as many as the kernel's
-    occupancy allows), never below `min_kv` tokens per split."""
+    None plans it (`plan_segments`): `waves` waves of `ctas_per_sm` CTAs per SM (None: as many as the kernel's
+    occupancy allows), never below `min_kv` tokens per split.
+
+    More than one wave is for ragged batches: the plan knows the rows only by their bound, so with one wave a
+    long row's splits set the time while short rows' CTAs sit idle once done; with several, an SM that finishes
+    (an empty or short split) takes the next tile, and the long rows' splits spread over the machine."""
 
     name = "split-kv"
 
     def __init__(self, num_splits: int | None = None, min_kv: int = SPLIT_MIN_KV,
-                 ctas_per_sm: int | None = SPLIT_CTAS_PER_SM, divide_slack: float = DIVIDE_SLACK):
+                 ctas_per_sm: int | None = SPLIT_CTAS_PER_SM, divide_slack: float = DIVIDE_SLACK,
+                 waves: int = 1):
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        if waves < 1:
+            raise ValueError(f"waves must be >= 1, got {waves}")
+        self.waves = waves
         if min_kv < 1:
             raise ValueError(f"min_kv must be >= 1, got {min_kv}")
         if ctas_per_sm is not None and ctas_per_sm < 1:
@@ -89,7 +97,7 @@ class SplitKVScheduler:
 
     def __repr__(self) -> str:
         return (f"SplitKVScheduler(num_splits={self.num_splits}, min_kv={self.min_kv}, ctas_per_sm={self.ctas_per_sm}, "
-                f"divide_slack={self.divide_slack})")
+                f"divide_slack={self.divide_slack}, waves={self.waves})")
 
     def schedule(self, problem: Problem, sm_count: int | None = None, ctas_per_sm: int = 2) -> Schedule:
         chunks = list(problem.chunks)
@@ -101,10 +109,11 @@ class SplitKVScheduler:
                 raise ValueError("SplitKVScheduler(num_splits=None) needs sm_count to plan the split")
             min_chunks = ceil_div(self.min_kv, problem.chunk_size)
             fill = min(self.ctas_per_sm, ctas_per_sm) if self.ctas_per_sm else ctas_per_sm
-            p = plan_segments(problem, sm_count, fill, min_chunks, divide_slack=self.divide_slack)
+            p = plan_segments(problem, sm_count * self.waves, fill, min_chunks, divide_slack=self.divide_slack)
             seg = Segmentation([_even(c, n) for c, n in zip(chunks, p.segments)])
             reasons = p.reasons + [f"min_kv {self.min_kv} tokens = {min_chunks} blocks of {problem.chunk_size}",
-                                   f"{fill} CTA(s) per SM planned, of the kernel's {ctas_per_sm}"]
+                                   f"{fill} CTA(s) per SM planned, of the kernel's {ctas_per_sm}"
+                                   + (f", {self.waves} waves" if self.waves > 1 else "")]
         schedule = schedule_from_segmentation(problem, seg, self.name)
         splits = [len(b) - 1 for b in seg.bounds]
         lengths = {b[i + 1] - b[i] for b in seg.bounds for i in range(len(b) - 1)}

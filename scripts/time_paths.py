@@ -6,8 +6,9 @@ beside it); prints one line each, as it goes.
     python3 scripts/time_paths.py phases   [B,H,T;...]   # phase 1 and the state pass alone
     python3 scripts/time_paths.py merges                 # every affine-merge impl, and lse_merge
     python3 scripts/time_paths.py host                   # an eager call's wall time at small T (host-bound)
-    python3 scripts/time_paths.py decode   [B,Hq,Hkv,L;...] # split-KV decode: the default plan, each split
-                                                        # count forced, stream-K, torch SDPA beside (decode
+    python3 scripts/time_paths.py decode   [B,Hq,Hkv,L[,r];...] # split-KV decode (r: ragged lengths): the
+                                                        # default plan, each split count forced, 2-8 waves,
+                                                        # stream-K, torch SDPA beside (decode
                                                         # and steps: input sets rotated past the L2, many
                                                         # calls a graph, as the decode sweeps)
     python3 scripts/time_paths.py steps    [B,HV,Sq;...]    # GDN decode step (engine form: pool, gates and
@@ -138,6 +139,7 @@ def host():
 DECODE_CELLS = ("1,32,8,512;1,32,8,1024;1,32,8,4096;1,32,8,16384;2,32,8,1024;2,32,8,4096;4,32,8,4096;8,32,8,4096;"
                 "1,32,4,4096;16,32,4,512;8,32,8,512;2,32,32,1024;16,32,8,1024")
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
+WAVES = (2, 4, 8)
 
 
 def decode(arg):
@@ -146,27 +148,41 @@ def decode(arg):
     import cute_kernels as ck
     from schedulers.splitkv import SplitKVScheduler, StreamKScheduler
 
-    for B, Hq, Hkv, L in cells(arg or DECODE_CELLS):
+    for cell in (arg or DECODE_CELLS).split(";"):
+        fields = cell.split(",")
+        B, Hq, Hkv, L = (int(x) for x in fields[:4])
+        ragged = fields[4:] == ["r"]   # lengths uniform in [1, L], the first row at L (as the sweep's ragged cells)
         gen = torch.Generator().manual_seed(0)
         n_sets = input_set_count(2 * B * L * Hkv * 128 * 2, l2_size())
         sets = [{"q": torch.randn(B, Hq, 128, generator=gen).bfloat16().cuda(),
                  "k": torch.randn(B, L, Hkv, 128, generator=gen).bfloat16().cuda(),
                  "v": torch.randn(B, L, Hkv, 128, generator=gen).bfloat16().cuda()} for _ in range(n_sets)]
-        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        lens = torch.full((B,), L, dtype=torch.int32)
+        if ragged:
+            lens = torch.randint(1, L + 1, (B,), generator=gen, dtype=torch.int32)
+            lens[0] = L
+        lens = lens.cuda()
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         schedulers = [("default", None)] + [(f"{n} splits", SplitKVScheduler(num_splits=n)) for n in SPLITS
                                            if L // n >= 64 and n * B * Hkv <= 4 * sms]
+        schedulers += [(f"{w} waves", SplitKVScheduler(waves=w)) for w in WAVES]
         schedulers.append(("stream-k", StreamKScheduler()))
         line = []
         for name, sched in schedulers:
-            call = lambda x, s=sched: ck.decode_attention(x["q"], x["k"], x["v"], lens, scheduler=s)  # noqa: E731
+            call = lambda x, s=sched: ck.decode_attention(x["q"], x["k"], x["v"], lens, scheduler=s,  # noqa: E731
+                                                          max_seqlen=L)
             call(sets[0])
-            splits = ck.last_plan().splitlines()[1].split("; ")[-1] if name in ("default", "stream-k") else ""
+            splits = ck.last_plan().splitlines()[1].split("; ")[-1] if name in ("default", "stream-k") or \
+                "waves" in name else ""
             line.append(f"{name} {rotated_graph_us(call, sets):.1f}" + (f" ({splits})" if splits else ""))
+        mask = None
+        if ragged:
+            mask = (torch.arange(L, device="cuda")[None, :] < lens[:, None])[:, None, None, :]
         sdpa = lambda x: F.scaled_dot_product_attention(x["q"][:, :, None], x["k"].transpose(1, 2),  # noqa: E731
-                                                       x["v"].transpose(1, 2), enable_gqa=True)
+                                                       x["v"].transpose(1, 2), attn_mask=mask, enable_gqa=True)
         line.append(f"sdpa {rotated_graph_us(sdpa, sets):.1f}")
-        print(f"decode B={B} Hq={Hq} Hkv={Hkv} L={L} ({n_sets} input sets; us): " + " | ".join(line), flush=True)
+        print(f"decode B={B} Hq={Hq} Hkv={Hkv} L={L}{' ragged' if ragged else ''} ({n_sets} input sets; us): "
+              + " | ".join(line), flush=True)
 
 
 STEP_CELLS = "256,32,1;256,32,2;256,32,4;256,32,8;32,32,8;32,8,8;8,8,8;1,8,8"

@@ -124,6 +124,20 @@ def test_split_kv_default_is_one_wave_of_one_cta_per_sm(B, hkv, L, splits):
     assert "1 CTA(s) per SM planned, of the kernel's 2" in schedule.plan.explain()
 
 
+def test_split_kv_waves_for_ragged_batches():
+    """waves=k plans k waves of tiles (the hardware hands each SM that finishes the next), so a long row's splits
+    spread where one wave gives each unit one CTA for its whole bound."""
+    problem = decode_problem([32768] * 16, 8, 64)   # 128 units
+    one = SplitKVScheduler().schedule(problem, sm_count=132, ctas_per_sm=2)
+    assert one.plan.splits == [1] * 128
+    four = SplitKVScheduler(waves=4).schedule(problem, sm_count=132, ctas_per_sm=2)
+    assert four.plan.splits == [4] * 128 and four.plan.uniform and 3 * 132 < four.num_tiles <= 4 * 132
+    assert "4 waves" in four.plan.explain()
+    assert "waves=4" in repr(SplitKVScheduler(waves=4))   # the plan cache keys on the repr
+    with pytest.raises(ValueError, match="waves"):
+        SplitKVScheduler(waves=0)
+
+
 def test_split_kv_leaves_full_batches_whole():
     problem = decode_problem([4096] * 64, 8, 64)   # 512 units >= 264 slots
     schedule = SplitKVScheduler(ctas_per_sm=None).schedule(problem, sm_count=132, ctas_per_sm=2)

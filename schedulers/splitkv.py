@@ -112,8 +112,9 @@ class SplitKVScheduler:
             p = plan_segments(problem, sm_count * self.waves, fill, min_chunks, divide_slack=self.divide_slack)
             seg = Segmentation([_even(c, n) for c, n in zip(chunks, p.segments)])
             reasons = p.reasons + [f"min_kv {self.min_kv} tokens = {min_chunks} blocks of {problem.chunk_size}",
-                                   f"{fill} CTA(s) per SM planned, of the kernel's {ctas_per_sm}"
-                                   + (f", {self.waves} waves" if self.waves > 1 else "")]
+                                   f"{fill} CTA(s) per SM planned, of the kernel's {ctas_per_sm}"]
+            if self.waves > 1:
+                reasons.append(f"{self.waves} waves (the fill counts each SM {self.waves} times)")
         schedule = schedule_from_segmentation(problem, seg, self.name)
         splits = [len(b) - 1 for b in seg.bounds]
         lengths = {b[i + 1] - b[i] for b in seg.bounds for i in range(len(b) - 1)}

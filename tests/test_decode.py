@@ -220,6 +220,14 @@ def test_lengths_below_the_planned_bound():
 
 
 @requires_sm90
+def test_waves_for_a_ragged_batch():
+    # two waves of tiles (the option for ragged batches): more splits per row, most of the short rows' empty
+    q, k, v, lens, _ = cache_inputs(16, 32, 8, [4096, 17, 0, 700, 2048, 1, 3999, 64] * 2, device="cuda", seed=12)
+    check(q, k, v, lens, max_seqlen=4096, scheduler=SplitKVScheduler(waves=2))
+    assert "2 waves" in ck.last_plan()
+
+
+@requires_sm90
 @pytest.mark.parametrize("graph", [False, True])
 def test_back_to_back_calls_share_counters_safely(graph):
     """Calls launched early (PDL) overlap the previous call's tail: each must still wait for it before touching

@@ -8,7 +8,8 @@ beside it); prints one line each, as it goes.
     python3 scripts/time_paths.py host                   # an eager call's wall time at small T (host-bound)
     python3 scripts/time_paths.py decode   [B,Hq,Hkv,L[,r];...] # split-KV decode (r: ragged lengths): the
                                                         # default plan, each split count forced, 2-8 waves,
-                                                        # stream-K, torch SDPA beside (decode
+                                                        # stream-K, torch SDPA and a torch reduction over
+                                                        # the K / V bytes (one plain read) beside (decode
                                                         # and steps: input sets rotated past the L2, many
                                                         # calls a graph, as the decode sweeps)
     python3 scripts/time_paths.py steps    [B,HV,Sq;...]    # GDN decode step (engine form: pool, gates and
@@ -154,9 +155,11 @@ def decode(arg):
         ragged = fields[4:] == ["r"]   # lengths uniform in [1, L], the first row at L (as the sweep's ragged cells)
         gen = torch.Generator().manual_seed(0)
         n_sets = input_set_count(2 * B * L * Hkv * 128 * 2, l2_size())
-        sets = [{"q": torch.randn(B, Hq, 128, generator=gen).bfloat16().cuda(),
-                 "k": torch.randn(B, L, Hkv, 128, generator=gen).bfloat16().cuda(),
-                 "v": torch.randn(B, L, Hkv, 128, generator=gen).bfloat16().cuda()} for _ in range(n_sets)]
+        sets = []
+        for _ in range(n_sets):   # K and V as the halves of one buffer, so one reduction reads them both
+            kv = torch.randn(2, B, L, Hkv, 128, generator=gen).bfloat16().cuda()
+            sets.append({"q": torch.randn(B, Hq, 128, generator=gen).bfloat16().cuda(), "kv": kv, "k": kv[0],
+                         "v": kv[1]})
         lens = torch.full((B,), L, dtype=torch.int32)
         if ragged:
             lens = torch.randint(1, L + 1, (B,), generator=gen, dtype=torch.int32)
@@ -181,6 +184,8 @@ def decode(arg):
         sdpa = lambda x: F.scaled_dot_product_attention(x["q"][:, :, None], x["k"].transpose(1, 2),  # noqa: E731
                                                        x["v"].transpose(1, 2), attn_mask=mask, enable_gqa=True)
         line.append(f"sdpa {rotated_graph_us(sdpa, sets):.1f}")
+        # the same K / V bytes read by one torch reduction (one launch): what a plain read of them costs here
+        line.append(f"read {rotated_graph_us(lambda x: x['kv'].sum(dtype=torch.float32), sets):.1f}")
         print(f"decode B={B} Hq={Hq} Hkv={Hkv} L={L}{' ragged' if ragged else ''} ({n_sets} input sets; us): "
               + " | ".join(line), flush=True)
 

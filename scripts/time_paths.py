@@ -8,10 +8,10 @@ beside it); prints one line each, as it goes.
     python3 scripts/time_paths.py host                   # an eager call's wall time at small T (host-bound)
     python3 scripts/time_paths.py decode   [B,Hq,Hkv,L[,r];...] # split-KV decode (r: ragged lengths): the
                                                         # default plan, each split count forced, 2-8 waves,
-                                                        # stream-K, torch SDPA and a torch reduction over
-                                                        # the K / V bytes (one plain read) beside (decode
-                                                        # and steps: input sets rotated past the L2, many
-                                                        # calls a graph, as the decode sweeps)
+                                                        # 3 / 4 ring stages, stream-K, torch SDPA and a
+                                                        # torch reduction over the K / V bytes (one plain
+                                                        # read) beside (decode and steps: input sets rotated
+                                                        # past the L2, many calls a graph, as the sweeps)
     python3 scripts/time_paths.py steps    [B,HV,Sq;...]    # GDN decode step (engine form: pool, gates and
                                                         # l2norm in the kernel, GVA 2) on tensor cores and
                                                         # token by token, whatever the planner's rule
@@ -21,6 +21,7 @@ Cells default to a few seed cells; TIME_OPS=gdn,kda picks the ops.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -147,6 +148,7 @@ def decode(arg):
     import torch.nn.functional as F
 
     import cute_kernels as ck
+    from cute_kernels.ops import decode as dec
     from schedulers.splitkv import SplitKVScheduler, StreamKScheduler
 
     for cell in (arg or DECODE_CELLS).split(";"):
@@ -178,6 +180,19 @@ def decode(arg):
             splits = ck.last_plan().splitlines()[1].split("; ")[-1] if name in ("default", "stream-k") or \
                 "waves" in name else ""
             line.append(f"{name} {rotated_graph_us(call, sets):.1f}" + (f" ({splits})" if splits else ""))
+        # the default plan with a deeper K / V ring (`DecodeConfig.stages`; the planner's is 2): more bytes in
+        # flight per CTA where DRAM's latency, not the L2's, sets how fast a CTA's blocks arrive
+        planned_config = dec.DecodeConfig
+        for stages in (3, 4):
+            dec.DecodeConfig = functools.partial(planned_config, stages=stages)
+            dec._plans.clear()
+            try:
+                call = lambda x: ck.decode_attention(x["q"], x["k"], x["v"], lens, max_seqlen=L)  # noqa: E731
+                call(sets[0])
+                line.append(f"{stages} stages {rotated_graph_us(call, sets):.1f}")
+            finally:
+                dec.DecodeConfig = planned_config
+                dec._plans.clear()
         mask = None
         if ragged:
             mask = (torch.arange(L, device="cuda")[None, :] < lens[:, None])[:, None, None, :]

@@ -212,6 +212,14 @@ def test_many_splits_long_cache():
 
 
 @requires_sm90
+def test_merge_batches_with_empty_splits():
+    # 19 splits: one full batch of the fixup's merge and a partial one; the ragged rows leave empty splits
+    # (lse = -inf) inside both, and the longest row's last split is in the partial batch
+    q, k, v, lens, _ = cache_inputs(len(LENS), 16, 2, LENS, device="cuda", seed=21)
+    check(q, k, v, lens, scheduler=SplitKVScheduler(num_splits=19))
+
+
+@requires_sm90
 def test_lengths_below_the_planned_bound():
     # planned for 4096 tokens per row, run with fewer: splits past a row's length are empty
     q, k, v, lens, _ = cache_inputs(4, 32, 8, [4096, 10, 0, 1500], device="cuda", seed=11)

@@ -9,6 +9,7 @@ import torch
 from conftest import poisoned, rel_err, requires_sm90
 
 import cute_kernels as ck
+from cute_kernels.kernels.configs import DecodeConfig
 from cute_kernels.ops import decode as dec
 from cute_kernels.reference import decode_attention_ref
 from schedulers.splitkv import SplitKVScheduler, StreamKScheduler
@@ -97,6 +98,18 @@ def test_plan_is_cached_and_planned_from_the_bound():
     assert loose is not dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132, SplitKVScheduler(divide_slack=0.0))
     with pytest.raises(TypeError, match="scheduler must be"):
         dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132, scheduler=object())
+
+
+@pytest.mark.parametrize("B, Hkv, L, splits, batch", [(4, 8, 4096, 4, 4), (1, 8, 4096, 16, 16), (1, 4, 4096, 32, 16),
+                                                      (16, 4, 512, 2, 2), (64, 8, 4096, 1, 1), (2, 8, 4096, 8, 8)])
+def test_merge_batch_covers_the_planned_splits(B, Hkv, L, splits, batch):
+    """The fixup reads the least power of two of splits covering the plan's (at most 16), so a few splits never
+    wait on places past the last."""
+    schedule, config, _ = dec.plan_decode(B, Hkv, 4, 1, L, False, False, 132)
+    assert schedule.plan.splits[0] == splits and config.merge_batch == batch
+    assert [dec.merge_batch(n) for n in (1, 2, 3, 5, 9, 16, 17, 64)] == [1, 2, 4, 8, 16, 16, 16, 16]
+    with pytest.raises(ValueError, match="merge_batch"):
+        DecodeConfig(merge_batch=3)
 
 
 # ---------------------------------------------------------------- GPU: against the float64 reference

@@ -184,6 +184,7 @@ def merge_fits(impl: str, k_dim: int, v_dim: int) -> bool:
 
 DECODE_HEAD_DIMS = (128,)
 DECODE_ROWS = 64   # query rows of one work tile (one wgmma M): group x q_len must fit
+DECODE_MERGE_BATCHES = (1, 2, 4, 8, 16)   # splits the fixup reads at once (16 x 8 fp32 registers: no spills)
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,9 @@ class DecodeConfig:
     group: query heads per KV head (GQA); q_len: new tokens per row, causal among themselves; group x q_len query
     rows share the unit's K / V reads. paged: the cache is [pages, page_size, Hkv, D] read through a page table
     (else [B, Tmax, Hkv, D]). softcap: scores pass through c tanh(s / c). persistent: the stream-K table (CTAs
-    loop over their pieces); else an even split, each CTA's tile computed from its index. stages: the K / V ring's depth (32 KB a stage at D = 128)."""
+    loop over their pieces); else an even split, each CTA's tile computed from its index. stages: the K / V ring's
+    depth (32 KB a stage at D = 128). merge_batch: the fixup's splits read at once (`decode_fixup.merge_unit`), the
+    planner's power of two covering the split count, at most 16."""
 
     head_dim: int = 128
     group: int = 1
@@ -202,6 +205,7 @@ class DecodeConfig:
     softcap: bool = False
     persistent: bool = False
     stages: int = 2
+    merge_batch: int = 4
 
     def __post_init__(self):
         if self.head_dim not in DECODE_HEAD_DIMS:
@@ -212,6 +216,8 @@ class DecodeConfig:
             raise ValueError(f"group x q_len must be in [1, {DECODE_ROWS}], got {self.group} x {self.q_len}")
         if not 2 <= self.stages <= 4:
             raise ValueError(f"stages must be in [2, 4], got {self.stages}")
+        if self.merge_batch not in DECODE_MERGE_BATCHES:
+            raise ValueError(f"merge_batch must be one of {DECODE_MERGE_BATCHES}, got {self.merge_batch}")
 
 
 STATE_SOURCES = ("none", "dense", "pool")

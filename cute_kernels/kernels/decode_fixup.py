@@ -18,9 +18,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from .configs import DECODE_MERGE_BATCHES
+
 THREADS = 128   # the threads that merge
 COLS = 8        # output columns per thread and row (two 16-byte loads of a partial's row piece)
-MERGE_BATCH = 16  # splits whose partials a thread has in flight at once (16 x COLS registers; no spills)
 
 
 def unit_rows(t: cute.Tensor, group: int) -> cute.Tensor:
@@ -81,14 +82,14 @@ def masked_score(x, t, kv_end, length, row, scale, softcap, config, log2e):
 
 
 @cute.jit
-def merge_unit(tid, o_part, lse_part, slot0, nsplit, rows, mO, mLse, unit, out_dtype):
+def merge_unit(tid, o_part, lse_part, slot0, nsplit, rows, mO, mLse, unit, out_dtype, batch: cutlass.Constexpr):
     """Rows [0, rows) of unit `unit`: o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse), lse = max lse +
     log sum w; a row whose splits are all empty (lse = -inf) gives o = 0, lse = -inf. o_part [slots, R, D] fp32,
     lse_part [slots, R]; slots slot0 .. slot0 + nsplit - 1. `tid` in [0, THREADS).
 
-    Each thread owns (row, COLS columns) pieces and reads the splits MERGE_BATCH at a time: a batch's loads are
-    all issued before its math (one L2 round trip a batch, not one per few splits), and the running max rescales
-    the sums once a batch."""
+    Each thread owns (row, COLS columns) pieces and reads the splits `batch` at a time (one of DECODE_MERGE_BATCHES,
+    the planner's `DecodeConfig.merge_batch`): a batch's loads are all issued before its math (one L2 round trip a
+    batch), and the running max rescales the sums once a batch."""
     pieces = o_part.shape[2] // COLS
     for item in cutlass.range(tid, rows * pieces, THREADS, unroll=1):
         r = item // pieces
@@ -97,23 +98,23 @@ def merge_unit(tid, o_part, lse_part, slot0, nsplit, rows, mO, mLse, unit, out_d
         wsum = Float32(0.0)
         acc = cute.make_rmem_tensor((COLS,), Float32)
         acc.fill(0.0)
-        for s0 in cutlass.range(0, nsplit, MERGE_BATCH, unroll=1):
-            parts = [cute.make_rmem_tensor((COLS,), Float32) for _ in range(MERGE_BATCH)]
+        for s0 in cutlass.range(0, nsplit, batch, unroll=1):
+            parts = [cute.make_rmem_tensor((COLS,), Float32) for _ in range(batch)]
             lses = []
-            for u in cutlass.range_constexpr(MERGE_BATCH):
+            for u in cutlass.range_constexpr(batch):
                 # a place past the last split reads the last split again and weighs it 0 (straight-line loads)
                 s = cutlass.min(s0 + u, nsplit - 1)
                 cute.autovec_copy(cute.local_tile(o_part[slot0 + s, r, None], (COLS,), (piece,)), parts[u])
                 lses.append(cutlass.select_(s0 + u < nsplit, lse_part[slot0 + s, r], -Float32.inf))
             m_new = m
-            for u in cutlass.range_constexpr(MERGE_BATCH):
+            for u in cutlass.range_constexpr(batch):
                 m_new = cute.arch.fmax(m_new, lses[u])
             # both -inf (no key yet): keep the sums (c = 1) and add nothing (w = 0); never exp(-inf + inf)
             c = cutlass.select_(m == m_new, Float32(1.0), cute.math.exp(m - m_new, fastmath=False))
             wsum = wsum * c
             for j in cutlass.range_constexpr(COLS):
                 acc[j] = acc[j] * c
-            for u in cutlass.range_constexpr(MERGE_BATCH):
+            for u in cutlass.range_constexpr(batch):
                 w = cutlass.select_(lses[u] == -Float32.inf, Float32(0.0),
                                     cute.math.exp(lses[u] - m_new, fastmath=False))
                 wsum = wsum + w
@@ -180,4 +181,5 @@ class SplitKVFixup:
         slot0 = seg_offsets[unit]
         nsplit = seg_offsets[unit + 1] - slot0
         if nsplit > 1:
-            merge_unit(tid, o_part, lse_part, slot0, nsplit, rows, mO, mLse, unit, self.out_dtype)
+            merge_unit(tid, o_part, lse_part, slot0, nsplit, rows, mO, mLse, unit, self.out_dtype,
+                       DECODE_MERGE_BATCHES[-1])   # any split count

@@ -12,7 +12,7 @@ from schedulers.splitkv import SplitKVScheduler, StreamKScheduler, decode_proble
 
 from ..checks import check_cuda, check_no_grad, check_shape, check_tensor
 from ..kernels.build import build_decode
-from ..kernels.configs import DECODE_HEAD_DIMS, DECODE_ROWS, DecodeConfig
+from ..kernels.configs import DECODE_HEAD_DIMS, DECODE_MERGE_BATCHES, DECODE_ROWS, DecodeConfig
 from ..runtime.arch import device_arch, sm_count
 from . import last
 
@@ -74,6 +74,12 @@ def validate(q, k_cache, v_cache, cache_seqlens, page_table, scale, softcap, max
 _plans: dict = {}
 
 
+def merge_batch(splits: int) -> int:
+    """The fixup's batch (`DecodeConfig.merge_batch`): the least power of two covering a unit's splits, at most
+    16, so a merge of few splits reads no places past its last and one of many issues 16 loads at a time."""
+    return next(b for b in DECODE_MERGE_BATCHES if b >= splits or b == DECODE_MERGE_BATCHES[-1])
+
+
 def plan_decode(B: int, Hkv: int, group: int, Sq: int, bound: int, paged: bool, softcap: bool, sms: int,
                 scheduler=None):
     """(schedule, config, (splits, unit_blocks)) of one call shape, cached. `scheduler`: a `SplitKVScheduler`
@@ -87,10 +93,11 @@ def plan_decode(B: int, Hkv: int, group: int, Sq: int, bound: int, paged: bool, 
     hit = _plans.get(key)
     if hit is None:
         schedule = scheduler.schedule(decode_problem([bound] * B, Hkv, BLOCK_KV), sms, CTAS_PER_SM)
-        config = DecodeConfig(group=group, q_len=Sq, paged=paged, softcap=softcap, persistent=schedule.persistent)
         even = (0, 0) if schedule.persistent else even_split_shape(schedule)
         if even is None:   # every unit has the bound's length, so an even split's table is always the formula
             raise RuntimeError(f"internal: the split-KV plan of {B} rows x {Hkv} KV heads is not even: {schedule.plan}")
+        config = DecodeConfig(group=group, q_len=Sq, paged=paged, softcap=softcap, persistent=schedule.persistent,
+                              merge_batch=merge_batch(max(schedule.plan.splits)))
         if len(_plans) > 256:
             _plans.clear()
         hit = _plans[key] = (schedule, config, even)

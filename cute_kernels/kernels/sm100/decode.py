@@ -420,4 +420,5 @@ class SplitKVDecodeSm100:
                 mLp[slot, r] = lse
         if splits > 1:
             if is_last_split(tidx, mCount, unit, splits, sFlag, 1):
-                merge_unit(tidx, mOp, mLp, slot - work.segment, splits, self.rows, mO, mLse, unit, self.io_dtype)
+                merge_unit(tidx, mOp, mLp, slot - work.segment, splits, self.rows, mO, mLse, unit, self.io_dtype,
+                           self.config.merge_batch)

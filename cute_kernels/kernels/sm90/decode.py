@@ -352,4 +352,5 @@ class SplitKVDecodeSm90:
                     if r < self.rows:
                         mLp[slot, r] = lse[h]
             if is_last_split(wtid, mCount, unit, splits, sFlag, 1):
-                merge_unit(wtid, mOp, mLp, slot - work.segment, splits, self.rows, mO, mLse, unit, self.io_dtype)
+                merge_unit(wtid, mOp, mLp, slot - work.segment, splits, self.rows, mO, mLse, unit, self.io_dtype,
+                           self.config.merge_batch)

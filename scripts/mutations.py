@@ -273,8 +273,8 @@ GPU_MUTANTS = [
     # -- decode attention
     Mutant("fixup counter not reset for the next call", "decode fixup", FIXUP,
            "            mCounters[unit] = Int32(0)", "            pass", G_DECODE, True),
-    Mutant("split weight dropped in the fixup", "decode fixup", FIXUP, "acc[j] = acc[j] + w * parts[u][j]",
-           "acc[j] = acc[j] + parts[u][j]", G_DECODE, True),
+    Mutant("split weight dropped in the fixup", "decode fixup", FIXUP, "acc[j] = acc[j] + w * part[j]",
+           "acc[j] = acc[j] + part[j]", G_DECODE, True),
     Mutant("merge batch's places past the last split weighted", "decode fixup (merge_unit)", FIXUP,
            "lses.append(cutlass.select_(s0 + u < nsplit, lse_part[slot0 + s, r], -Float32.inf))",
            "lses.append(lse_part[slot0 + s, r])", ("tests/test_decode.py@merge_batches",), True),

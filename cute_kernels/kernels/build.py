@@ -187,8 +187,8 @@ def build_lse_merge(head_dim: int, out_dtype: torch.dtype, dump_dir=None) -> Com
 def build_decode(config: DecodeConfig, io_dtype: torch.dtype, dump_dir=None) -> Compiled:
     """Split-KV decode attention (wgmma on sm_90a, tcgen05 on sm_100a / sm_103a). Its function takes (q, k_cache, v_cache,
     cache_seqlens, page_table, o, lse, o_part, lse_part, counters, tiles, num_tiles, splits, unit_blocks, grid,
-    scale, softcap): q / o [B, Sq, Hq, D], caches 4-D, lse [B, Sq, Hq] fp32, partials [slots, 64, D] / [slots, 64]
-    fp32, counters [units] int32; `tiles` is read by stream-K (persistent) builds, (splits, unit_blocks) by the
+    scale, softcap): q / o [B, Sq, Hq, D], caches 4-D, lse [B, Sq, Hq] fp32, partials [slots, 64, D] (io dtype) /
+    [slots, 64] fp32, counters [units] int32; `tiles` is read by stream-K (persistent) builds, (splits, unit_blocks) by the
     others (`schedulers.splitkv.even_split_shape`)."""
 
     def build():
@@ -208,7 +208,7 @@ def build_decode(config: DecodeConfig, io_dtype: torch.dtype, dump_dir=None) -> 
             fake_tensor(i32, (DYN, DYN), align=4),                         # page_table
             four(),                                                        # o
             fake_tensor(f32, (DYN, DYN, DYN), align=4),                    # lse
-            fake_tensor(f32, (DYN, 64, D)),                                # o_part
+            fake_tensor(io, (DYN, 64, D)),                                 # o_part (normalized, io dtype)
             fake_tensor(f32, (DYN, 64), align=4),                          # lse_part
             fake_tensor(i32, (DYN,), align=4),                             # counters
             fake_tensor(i32, (DYN, NUM_TILE_FIELDS), align=4),

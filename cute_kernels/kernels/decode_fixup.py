@@ -21,7 +21,7 @@ from cutlass import Float32, Int32
 from .configs import DECODE_MERGE_BATCHES
 
 THREADS = 128   # the threads that merge
-COLS = 8        # output columns per thread and row (two 16-byte loads of a partial's row piece)
+COLS = 8        # output columns per thread and row (a partial's row piece: one 16-byte load in bf16 / fp16)
 
 
 def unit_rows(t: cute.Tensor, group: int) -> cute.Tensor:
@@ -84,7 +84,8 @@ def masked_score(x, t, kv_end, length, row, scale, softcap, config, log2e):
 @cute.jit
 def merge_unit(tid, o_part, lse_part, slot0, nsplit, rows, mO, mLse, unit, out_dtype, batch: cutlass.Constexpr):
     """Rows [0, rows) of unit `unit`: o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse), lse = max lse +
-    log sum w; a row whose splits are all empty (lse = -inf) gives o = 0, lse = -inf. o_part [slots, R, D] fp32,
+    log sum w; a row whose splits are all empty (lse = -inf) gives o = 0, lse = -inf. o_part [slots, R, D] (fp32 or
+    the io dtype: each split's o is normalized, so it fits wherever v does),
     lse_part [slots, R]; slots slot0 .. slot0 + nsplit - 1. `tid` in [0, THREADS).
 
     Each thread owns (row, COLS columns) pieces and reads the splits `batch` at a time (one of DECODE_MERGE_BATCHES,
@@ -99,7 +100,7 @@ def merge_unit(tid, o_part, lse_part, slot0, nsplit, rows, mO, mLse, unit, out_d
         acc = cute.make_rmem_tensor((COLS,), Float32)
         acc.fill(0.0)
         for s0 in cutlass.range(0, nsplit, batch, unroll=1):
-            parts = [cute.make_rmem_tensor((COLS,), Float32) for _ in range(batch)]
+            parts = [cute.make_rmem_tensor((COLS,), o_part.element_type) for _ in range(batch)]
             lses = []
             for u in cutlass.range_constexpr(batch):
                 # a place past the last split reads the last split again and weighs it 0 (straight-line loads)
@@ -118,8 +119,10 @@ def merge_unit(tid, o_part, lse_part, slot0, nsplit, rows, mO, mLse, unit, out_d
                 w = cutlass.select_(lses[u] == -Float32.inf, Float32(0.0),
                                     cute.math.exp(lses[u] - m_new, fastmath=False))
                 wsum = wsum + w
+                part = cute.make_rmem_tensor((COLS,), Float32)
+                part.store(parts[u].load().to(Float32))
                 for j in cutlass.range_constexpr(COLS):
-                    acc[j] = acc[j] + w * parts[u][j]
+                    acc[j] = acc[j] + w * part[j]
             m = m_new
         lse = m
         if m > -Float32.inf:

@@ -147,7 +147,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, sca
     if B == 0:
         return _result(o4, lse3, q, return_lse, out)
     slots = schedule.segmentation.total_segments
-    o_part = torch.empty((slots, DECODE_ROWS, D), dtype=torch.float32, device=device)
+    o_part = torch.empty((slots, DECODE_ROWS, D), dtype=q.dtype, device=device)   # normalized: |o| <= max |v|
     lse_part = torch.empty((slots, DECODE_ROWS), dtype=torch.float32, device=device)
     no_pages = page_table if paged else cache_seqlens.view(1, B)[:, :1]
     fn = build_decode(config, q.dtype).fn

@@ -88,7 +88,7 @@ class SplitKVDecodeSm100:
         page_table: cute.Tensor,     # [B, max_pages] int32 (paged; else any int32 [1, 1])
         o: cute.Tensor,              # [B, Sq, Hq, D]
         lse: cute.Tensor,            # [B, Sq, Hq] fp32
-        o_part: cute.Tensor,         # [slots, 64, D] fp32
+        o_part: cute.Tensor,         # [slots, 64, D] io dtype (normalized)
         lse_part: cute.Tensor,       # [slots, 64] fp32
         counters: cute.Tensor,       # [units] int32, 0 between calls
         tiles: cute.Tensor,          # [num_tiles, NUM_TILE_FIELDS] int32
@@ -411,7 +411,7 @@ class SplitKVDecodeSm100:
                     if splits == 1:
                         mO[unit, r, chunk * O_CHUNK + e] = self.io_dtype(o_vals[e] * inv)
                     else:
-                        mOp[slot, r, chunk * O_CHUNK + e] = o_vals[e] * inv
+                        mOp[slot, r, chunk * O_CHUNK + e] = self.io_dtype(o_vals[e] * inv)
         o_full.consumer_release(o_state)   # O's TMEM free for the next tile's first P V
         if r < self.rows:
             if splits == 1:

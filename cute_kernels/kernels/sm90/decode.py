@@ -36,8 +36,9 @@ class SplitKVDecodeSm90:
       zeroed first: their P is 0, but a stale or never-written row may hold NaN), the masks (the split's end,
       the cache length, causal new tokens), softcap, the online softmax in registers (log2 units; a row's values
       sit in the 4 lanes of a quad), O += P V (four 64 x D x 16 RS wgmmas, P from registers). At the tile's
-      end: a unit with one split stores o and lse; otherwise o (normalized, fp32) and lse go to the split's slot
-      and the last split to finish merges the unit (`decode_fixup.is_last_split`, `merge_unit`).
+      end: a unit with one split stores o and lse; otherwise o (normalized, in the io dtype) and lse (fp32) go
+      to the split's slot and the last split to finish merges the unit (`decode_fixup.is_last_split`,
+      `merge_unit`).
     - warp 4, the producer: per block, K and V as four 16-token TMA boxes each into the next stage. A box's
       cache row is page * page_size + t % page_size, page = page_table[b, t // page_size] (paged) or b (a
       contiguous [B, Tmax] cache: page_size = Tmax); boxes past the cache length re-read the last one (masked).
@@ -69,7 +70,7 @@ class SplitKVDecodeSm90:
         page_table: cute.Tensor,     # [B, max_pages] int32 (paged; else any int32 [1, 1])
         o: cute.Tensor,              # [B, Sq, Hq, D]
         lse: cute.Tensor,            # [B, Sq, Hq] fp32
-        o_part: cute.Tensor,         # [slots, 64, D] fp32
+        o_part: cute.Tensor,         # [slots, 64, D] io dtype (normalized)
         lse_part: cute.Tensor,       # [slots, 64] fp32
         counters: cute.Tensor,       # [units] int32, 0 between calls
         tiles: cute.Tensor,          # [num_tiles, NUM_TILE_FIELDS] int32
@@ -345,7 +346,7 @@ class SplitKVDecodeSm90:
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 r, col = cc_o[i]
                 if r < self.rows:
-                    mOp[slot, r, col] = acc_o[i] * inv[(i // 2) % 2]
+                    mOp[slot, r, col] = self.io_dtype(acc_o[i] * inv[(i // 2) % 2])
             if lane % 4 == 0:
                 for h in cutlass.range_constexpr(2):
                     r, _ = cc_o[2 * h]

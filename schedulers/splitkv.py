@@ -9,7 +9,9 @@ seg_offsets[u + 1] - 1 (the layout `lse_merge` reads).
 
 - `SplitKVScheduler`: even splits per unit, counts from `plan_segments`' rules: one wave of at most one CTA per SM
   (`ctas_per_sm`), splits of at least `min_kv` tokens (one 64-token block), and a split count that divides the
-  block count where one is within `divide_slack` (5%).
+  block count where one is within `divide_slack` (5%). With `long_split_kv` set, a plan that fills every CTA slot
+  of the kernel's occupancy is taken instead where it gives more CTAs and each split still keeps that many tokens
+  (a card whose bandwidth needs more bytes in flight than one CTA per SM holds).
 - `StreamKScheduler`: persistent CTAs, each an equal contiguous range of the flattened (unit, KV block) space, so
   a split may end anywhere inside a unit. CTA c's pieces are rows c, c + G, c + 2G, ... of the table (padded with
   `seg_slot = -1` tiles that do nothing), so the one device scheduler hands them out in persistent mode.
@@ -73,7 +75,9 @@ class DecodePlan:
 class SplitKVScheduler:
     """Even splits per unit (one CTA per split). `num_splits` forces a count (capped by the unit's blocks);
     None plans it (`plan_segments`): `waves` waves of `ctas_per_sm` CTAs per SM (None: as many as the kernel's
-    occupancy allows), never below `min_kv` tokens per split.
+    occupancy allows), never below `min_kv` tokens per split. `long_split_kv` (None: off): plan the kernel's
+    whole occupancy instead wherever that gives more CTAs whose splits each keep at least that many tokens: more
+    bytes in flight per SM, for long caches on a card whose bandwidth one CTA per SM does not cover.
 
     More than one wave is for ragged batches: the plan knows the rows only by their bound, so with one wave a
     long row's splits set the time while short rows' CTAs sit idle once done; with several, an SM that finishes
@@ -83,9 +87,12 @@ class SplitKVScheduler:
 
     def __init__(self, num_splits: int | None = None, min_kv: int = SPLIT_MIN_KV,
                  ctas_per_sm: int | None = SPLIT_CTAS_PER_SM, divide_slack: float = DIVIDE_SLACK,
-                 waves: int = 1):
+                 waves: int = 1, long_split_kv: int | None = None):
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        if long_split_kv is not None and long_split_kv < 1:
+            raise ValueError(f"long_split_kv must be >= 1 or None, got {long_split_kv}")
+        self.long_split_kv = long_split_kv
         if waves < 1:
             raise ValueError(f"waves must be >= 1, got {waves}")
         self.waves = waves
@@ -97,7 +104,7 @@ class SplitKVScheduler:
 
     def __repr__(self) -> str:
         return (f"SplitKVScheduler(num_splits={self.num_splits}, min_kv={self.min_kv}, ctas_per_sm={self.ctas_per_sm}, "
-                f"divide_slack={self.divide_slack}, waves={self.waves})")
+                f"divide_slack={self.divide_slack}, waves={self.waves}, long_split_kv={self.long_split_kv})")
 
     def schedule(self, problem: Problem, sm_count: int | None = None, ctas_per_sm: int = 2) -> Schedule:
         chunks = list(problem.chunks)
@@ -110,9 +117,17 @@ class SplitKVScheduler:
             min_chunks = ceil_div(self.min_kv, problem.chunk_size)
             fill = min(self.ctas_per_sm, ctas_per_sm) if self.ctas_per_sm else ctas_per_sm
             p = plan_segments(problem, sm_count * self.waves, fill, min_chunks, divide_slack=self.divide_slack)
+            reasons = p.reasons + [f"min_kv {self.min_kv} tokens = {min_chunks} blocks of {problem.chunk_size}"]
+            if self.long_split_kv is not None and fill < ctas_per_sm:
+                long_chunks = max(min_chunks, ceil_div(self.long_split_kv, problem.chunk_size))
+                deep = plan_segments(problem, sm_count * self.waves, ctas_per_sm, long_chunks,
+                                     divide_slack=self.divide_slack)
+                if sum(deep.segments) > sum(p.segments):
+                    p, fill = deep, ctas_per_sm
+                    reasons = deep.reasons + [f"long_split_kv {self.long_split_kv} tokens: every split keeps >= "
+                                              f"{long_chunks} blocks of {problem.chunk_size} at the full occupancy"]
             seg = Segmentation([_even(c, n) for c, n in zip(chunks, p.segments)])
-            reasons = p.reasons + [f"min_kv {self.min_kv} tokens = {min_chunks} blocks of {problem.chunk_size}",
-                                   f"{fill} CTA(s) per SM planned, of the kernel's {ctas_per_sm}"]
+            reasons.append(f"{fill} CTA(s) per SM planned, of the kernel's {ctas_per_sm}")
             if self.waves > 1:
                 reasons.append(f"{self.waves} waves (the fill counts each SM {self.waves} times)")
         schedule = schedule_from_segmentation(problem, seg, self.name)

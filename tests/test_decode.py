@@ -100,6 +100,20 @@ def test_plan_is_cached_and_planned_from_the_bound():
         dec.plan_decode(4, 8, 4, 1, 4096, False, False, 132, scheduler=object())
 
 
+def test_default_plan_by_device_kind():
+    """The op's default scheduler takes the device kind's `LONG_SPLIT_KV`: on an H200 a 32K-token B=16 Hkv=8 call
+    runs 2 splits per unit (two CTAs per SM); on an H100, or an unknown kind, one."""
+    from cute_kernels.ops import decode as dec
+
+    h200, _, _ = dec.plan_decode(16, 8, 4, 1, 32768, False, False, 132, kind="H200")
+    h100, _, _ = dec.plan_decode(16, 8, 4, 1, 32768, False, False, 132, kind="H100")
+    unknown, _, _ = dec.plan_decode(16, 8, 4, 1, 32768, False, False, 132)
+    assert h200.plan.splits == [2] * 128 and h200.num_tiles == 256
+    assert h100.plan.splits == unknown.plan.splits == [1] * 128
+    short, _, _ = dec.plan_decode(1, 8, 4, 1, 4096, False, False, 132, kind="H200")
+    assert short.plan.splits == [16] * 8
+
+
 @pytest.mark.parametrize("B, Hkv, L, splits, batch", [(4, 8, 4096, 4, 4), (1, 8, 4096, 16, 16), (1, 4, 4096, 32, 16),
                                                       (16, 4, 512, 2, 2), (64, 8, 4096, 1, 1), (2, 8, 4096, 8, 8)])
 def test_merge_batch_covers_the_planned_splits(B, Hkv, L, splits, batch):

@@ -124,6 +124,28 @@ def test_split_kv_default_is_one_wave_of_one_cta_per_sm(B, hkv, L, splits):
     assert "1 CTA(s) per SM planned, of the kernel's 2" in schedule.plan.explain()
 
 
+@pytest.mark.parametrize("B, hkv, L, splits", [
+    (16, 8, 32768, 2), (4, 8, 32768, 8), (8, 8, 16384, 4), (1, 8, 16384, 32), (2, 4, 32768, 32), (2, 8, 8192, 16),
+    (1, 8, 4096, 16), (1, 8, 8192, 16), (1, 4, 4096, 32), (1, 4, 8192, 32), (32, 8, 8192, 1), (1, 8, 512, 8)])
+def test_split_kv_long_splits_fill_two_ctas_per_sm(B, hkv, L, splits):
+    """long_split_kv=512 (the H200's default): the kernel's two CTAs per SM wherever that gives more CTAs whose
+    splits keep >= 8 blocks (B=16 32K: 2 splits of 16K tokens, 256 CTAs, not 1 split and 128), else the one-CTA
+    plan unchanged (B=1 Hkv=8 4K and 8K: 16 splits, as without the option)."""
+    problem = decode_problem([L] * B, hkv, 64)
+    schedule = SplitKVScheduler(long_split_kv=512).schedule(problem, sm_count=132, ctas_per_sm=2)
+    plan = schedule.plan
+    assert plan.splits == [splits] * (B * hkv) and plan.uniform
+    one = SplitKVScheduler().schedule(problem, sm_count=132, ctas_per_sm=2)
+    if schedule.num_tiles > one.num_tiles:
+        assert schedule.num_tiles <= 264 and all(t.chunk_end - t.chunk_start >= 8 for t in schedule.tiles)
+        assert "long_split_kv 512 tokens" in plan.explain() and "2 CTA(s) per SM planned" in plan.explain()
+    else:
+        assert plan.splits == one.plan.splits and "1 CTA(s) per SM planned" in plan.explain()
+    assert "long_split_kv=512" in repr(SplitKVScheduler(long_split_kv=512))   # the plan cache keys on the repr
+    with pytest.raises(ValueError, match="long_split_kv"):
+        SplitKVScheduler(long_split_kv=0)
+
+
 def test_split_kv_waves_for_ragged_batches():
     """waves=k plans k waves of tiles (the hardware hands each SM that finishes the next), so a long row's splits
     spread where one wave gives each unit one CTA for its whole bound."""

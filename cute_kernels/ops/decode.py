@@ -13,13 +13,17 @@ from schedulers.splitkv import SplitKVScheduler, StreamKScheduler, decode_proble
 from ..checks import check_cuda, check_no_grad, check_shape, check_tensor
 from ..kernels.build import build_decode
 from ..kernels.configs import DECODE_HEAD_DIMS, DECODE_MERGE_BATCHES, DECODE_ROWS, DecodeConfig
-from ..runtime.arch import device_arch, sm_count
+from ..runtime.arch import device_arch, device_kind, sm_count
 from . import last
 
 IO_DTYPES = (torch.bfloat16, torch.float16)
 MAX_Q_LEN = 8
 BLOCK_KV = 64       # KV tokens per block (the kernel's ring stage)
 CTAS_PER_SM = 2     # the kernel's 2-stage ring leaves room for two CTAs per SM
+# the default plan's `long_split_kv` per device kind: on the H200 two CTAs per SM beat one wherever each split
+# keeps >= 512 tokens (docs/design.md, "Units and the plan"); on the H100 one CTA per SM's ring already covers
+# its bandwidth (two measured slower there), and SM100 is not measured
+LONG_SPLIT_KV = {"H200": 512}
 PAGE_MULTIPLE = 16  # the kernel reads pages in 16-token boxes
 
 
@@ -81,12 +85,13 @@ def merge_batch(splits: int) -> int:
 
 
 def plan_decode(B: int, Hkv: int, group: int, Sq: int, bound: int, paged: bool, softcap: bool, sms: int,
-                scheduler=None):
+                scheduler=None, kind: str | None = None):
     """(schedule, config, (splits, unit_blocks)) of one call shape, cached. `scheduler`: a `SplitKVScheduler`
-    (default) or a `StreamKScheduler`; it plans from `bound` tokens per row, never from the true lengths. A
-    split-KV plan is even (every unit split alike), so its kernel computes each tile from the CTA index and the
-    pair; stream-K's kernel reads the table (the pair is (0, 0))."""
-    scheduler = scheduler if scheduler is not None else SplitKVScheduler()
+    (default: device kind `kind`'s `LONG_SPLIT_KV`) or a `StreamKScheduler`; it plans from `bound` tokens per
+    row, never from the true lengths. A split-KV plan is even (every unit split alike), so its kernel computes
+    each tile from the CTA index and the pair; stream-K's kernel reads the table (the pair is (0, 0))."""
+    if scheduler is None:
+        scheduler = SplitKVScheduler(long_split_kv=LONG_SPLIT_KV.get(kind))
     if not isinstance(scheduler, (SplitKVScheduler, StreamKScheduler)):
         raise TypeError(f"scheduler must be a SplitKVScheduler or a StreamKScheduler, got {type(scheduler).__name__}")
     key = (B, Hkv, group, Sq, bound, paged, softcap, sms, repr(scheduler))
@@ -142,7 +147,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, sca
     o4, lse3 = _outputs(out, q, q4, return_lse)
     group = Hq // Hkv
     schedule, config, (splits, unit_blocks) = plan_decode(B, Hkv, group, Sq, bound, paged, softcap is not None,
-                                                          sm_count(device), scheduler)
+                                                          sm_count(device), scheduler, device_kind(device))
     last.record(lambda: schedule.explain())
     if B == 0:
         return _result(o4, lse3, q, return_lse, out)

@@ -1,4 +1,5 @@
-"""Join the JSON files of a sweep run in parts (`--cells START:END`) into one result: JSON, heatmaps, tables.
+"""Join the JSON files of a sweep run in parts (`--cells START:END`) into one result: JSON, heatmaps, tables
+(the decode-attention sweep's parts too: its own rows and plots).
 
     python -m benchmarks.combine OUT.json PART1.json PART2.json ...
     python -m benchmarks.combine --merge-peers OUT.json MAIN.json OTHER.json ...
@@ -80,6 +81,23 @@ def _grid_order(name):
     return lambda c: (rank.get(c[:2], len(rank)), c)
 
 
+def _join_decode(parts: list[dict], out: Path) -> int:
+    """The decode-attention sweep's parts: its own rows, table and plots (`benchmarks.decode`)."""
+    import json
+
+    from benchmarks import decode
+
+    meta, rows = decode.join_parts(parts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**meta, "rows": rows}, indent=1, default=str) + "\n")
+    text = decode.format_table(rows)
+    print(text)
+    out.with_suffix(".txt").write_text(text + "\n")
+    paths = decode.write_plots(rows, out.with_suffix(""), f"decode {meta['device']} {meta.get('date', '')}")
+    print("\n".join(f"wrote {p}" for p in [out, *paths]))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.combine")
     ap.add_argument("out", help="the combined JSON path (PNG heatmaps are written beside it)")
@@ -88,6 +106,8 @@ def main(argv=None) -> int:
                     help="the first part is the main run; the others add their peers to its cells")
     args = ap.parse_args(argv)
     parts = [report.read_json(p) for p in args.parts]
+    if parts[0].get("op") == "decode" and not args.merge_peers:
+        return _join_decode(parts, Path(args.out))
     meta, rows = merge_peers(parts[0], parts[1:]) if args.merge_peers else combine(parts)
     out = Path(args.out)
     report.write_json(out, meta, rows)

@@ -297,6 +297,29 @@ def sweep_cells(cells: list, run, desc: str, stem: Path, meta: dict) -> list[dic
     return rows
 
 
+def join_parts(parts: list[dict]) -> tuple[dict, list[dict]]:
+    """One decode table from the JSON of a sweep run in parts (`--cells`): the parts must share device, grid,
+    timer and scheduler; a cell measured twice keeps its last row; rows in grid order."""
+    if not parts:
+        raise ValueError("no parts given")
+    meta = {k: v for k, v in parts[0].items() if k != "rows"}
+    for p in parts[1:]:
+        for k in ("op", "device", "grid", "timer", "scheduler"):
+            if p.get(k) != meta.get(k):
+                raise ValueError(f"parts differ in {k!r}: {meta.get(k)!r} vs {p.get(k)!r}")
+    fields = ("B", "Hq", "Hkv", "kv_len", "page_size", "ragged")
+    order = {tuple(asdict(c)[f] for f in fields): i for i, c in enumerate(grid(meta["grid"]))}
+    rows = {}
+    for p in parts:
+        for r in p["rows"]:
+            rows[tuple(r[f] for f in fields)] = r
+    meta["complete"] = all(p.get("complete", False) for p in parts)
+    meta["parts"] = len(parts)
+    meta["copy_tbps_parts"] = [p.get("copy_tbps") for p in parts]   # each part measured its own (rows keep theirs)
+    meta["peers_missing"] = {k: v for p in parts for k, v in (p.get("peers_missing") or {}).items()}
+    return meta, [rows[k] for k in sorted(rows, key=lambda k: order.get(k, len(order)))]
+
+
 def copy_bandwidth(timer) -> float:
     """TB/s of a 1 GiB device-to-device copy (read + write bytes)."""
     src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")

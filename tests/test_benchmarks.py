@@ -426,6 +426,34 @@ def test_decode_report_and_plots(tmp_path):
     assert all(p.exists() and p.stat().st_size > 1000 for p in paths)
 
 
+def test_decode_parts_join_in_grid_order(tmp_path):
+    import json
+
+    from benchmarks import combine, decode
+
+    cells = decode.grid("full")
+    meta = {"op": "decode", "device": "NVIDIA H200", "grid": "full", "timer": "t", "scheduler": "split-kv",
+            "date": "2026-12-07", "copy_tbps": 4.0, "peers_missing": {}, "complete": True}
+
+    def row(i, ours):
+        c = cells[i]
+        return {"B": c.B, "Hq": c.Hq, "Hkv": c.Hkv, "kv_len": c.kv_len, "page_size": c.page_size, "ragged": c.ragged,
+                "ours_us": ours, "peers": {"sdpa": 2 * ours}, "peer_errors": {}, "best_peer": "sdpa",
+                "speedup_vs_best": 2.0, "tbps": 1.0, "of_copy_bw": 0.25, "copy_tbps": 4.0}
+
+    late = tmp_path / "b.json"
+    late.write_text(json.dumps({**meta, "copy_tbps": 4.1, "rows": [row(100, 5.0), row(3, 7.0)]}))
+    early = tmp_path / "a.json"
+    early.write_text(json.dumps({**meta, "complete": False, "rows": [row(3, 9.0), row(0, 1.0)]}))
+    assert combine.main([str(tmp_path / "all.json"), str(early), str(late)]) == 0
+    d = json.loads((tmp_path / "all.json").read_text())
+    assert [r["ours_us"] for r in d["rows"]] == [1.0, 7.0, 5.0]   # grid order; cell 3 keeps the later part's row
+    assert d["parts"] == 2 and not d["complete"] and d["copy_tbps_parts"] == [4.0, 4.1]
+    assert (tmp_path / "all_speedup.png").stat().st_size > 1000 and "sdpa" in (tmp_path / "all.txt").read_text()
+    with pytest.raises(ValueError, match="device"):
+        decode.join_parts([{**meta, "rows": []}, {**meta, "device": "other", "rows": []}])
+
+
 def test_decode_sweep_without_gpu_says_so():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -75,6 +75,12 @@ def test_ptx_contents(compiled_dir):
     if arch == "sm_90a":   # an even split of a contiguous cache: the first K / V block before the length's load
         after_wait = ptx[ptx.index("griddepcontrol.wait"):]
         assert after_wait.index("cp.async.bulk.tensor") < after_wait.index("ld.global")
+    # the decode steps, launched early (PDL): the wait comes before the first global load (the pool slot the
+    # previous step may still be writing)
+    for name in ("recurrent_gdn_gva2_pool_l2norm_gate_tokens4", "recurrent_gdn_gva2_pool_l2norm_gate_tokens8_tensor_cores"):
+        ptx = (out / f"{name}.{arch}.ptx").read_text()
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, name
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), name
 
 
 def test_cli_rejects_unknown_op(tmp_path):

@@ -429,6 +429,57 @@ def test_kernel_speculative(kda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["gdn", "kda", "gdn-tensor-cores"])
+def test_back_to_back_steps_on_one_pool(form, monkeypatch):
+    """Steps launched early (PDL) overlap the previous step's tail: each must still wait for it before reading the
+    pool slot that step writes. Six steps in a row, each reading the slot the one before wrote, eagerly and as one
+    CUDA graph; a small grid, so the next step's CTAs fit beside the previous one's."""
+    kda = form == "kda"
+    if form == "gdn-tensor-cores":
+        monkeypatch.setattr(recurrent_op, "TC_MIN_TOKENS", 2)
+        monkeypatch.setattr(recurrent_op, "TC_MIN_ITEMS", 1)
+    steps, B, H, Sq = 6, 2, 2, 2
+    inputs = [make(B, Sq, H, H, kda, "cuda", decay="weak", seed=40 + i) for i in range(steps)]
+    pool = torch.randn(steps + 1, H, D, D, device="cuda") * 0.5
+    slot = lambda i: torch.full((B,), i, dtype=torch.int32, device="cuda")   # noqa: E731
+    # step i reads slot i (the one step i - 1 wrote) and writes slot i + 1; both rows of the batch share a slot
+    # only for reading, so each step writes slot i + 1 from row 0 and drops row 1's state (index -1)
+    reads = [slot(i) for i in range(steps)]
+    writes = [torch.tensor([i + 1, -1], dtype=torch.int32, device="cuda") for i in range(steps)]
+    outs = [torch.empty_like(inputs[i][2]) for i in range(steps)]
+
+    def run(p):
+        for i, (q, k, v, g, beta) in enumerate(inputs):
+            _call(kda, q, k, v, g, beta, initial_state=p, output_final_state=True, initial_state_indices=reads[i],
+                  final_state_indices=writes[i], out=outs[i])
+
+    ref_pool, ref_outs = pool.clone(), []
+    for i, (q, k, v, g, beta) in enumerate(inputs):
+        o_ref, ref_pool = fused_recurrent_ref(q, k, v, g, beta, kda=kda, initial_state=ref_pool,
+                                              output_final_state=True, initial_state_indices=reads[i],
+                                              final_state_indices=writes[i])
+        ref_outs.append(o_ref)
+    mine = pool.clone()
+    run(mine)   # eager (and compiles outside the capture)
+    torch.cuda.synchronize()
+    for o, o_ref in zip(outs, ref_outs):
+        _check(o, None, o_ref, None)
+    _check(outs[-1], mine, ref_outs[-1], ref_pool)
+    graph = torch.cuda.CUDAGraph()
+    captured = pool.clone()
+    with torch.cuda.graph(graph):
+        run(captured)
+    captured.copy_(pool)
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for o, o_ref in zip(outs, ref_outs):
+        _check(o, None, o_ref, None)
+    _check(outs[-1], captured, ref_outs[-1], ref_pool)
+
+
+@pytest.mark.gpu
 def test_kernel_graph_replay_with_new_lengths():
     """Captured once; replayed with new cu_seqlens contents, indices and inputs: nothing is read on the host."""
     torch.manual_seed(0)

@@ -56,6 +56,7 @@ class RecurrentStep:
     sums meet in shared memory (one barrier a token; two partial-sum buffers keep every reader ahead of the next
     writer); every thread then has k^T S and q^T S of its column, updates its rows, and warp 0 writes o.
     With `config.tokens` (no varlen, at most GROUP tokens) the count is static: one group, the token loop unrolled.
+    Launched early (PDL): every thread waits on the previous kernel before its first global access.
 
     Tensors as the op has them ([B, T, ...]; varlen B = 1; flattened here to [B * T, ...]): q, k [B, T, H, K];
     v, o [B, T, HV, V]; g [B, T, HV] or [B, T, HV, K]; beta [B, T, HV]; a_log [HV] fp32; dt_bias [HV] or [HV * K]
@@ -79,7 +80,7 @@ class RecurrentStep:
                     final_idx, accepted, flat(o), T, scale, lower_bound).launch(
                                                grid=[self.config.head_dim // COLS, v.shape[2], N],
                                                block=[THREADS, 1, 1], stream=stream,
-                                               min_blocks_per_mp=MIN_CTAS_PER_SM,
+                                               min_blocks_per_mp=MIN_CTAS_PER_SM, use_pdl=True,
                                                preferred_smem_carveout=SMEM_CARVEOUT)
 
     @cute.kernel
@@ -113,6 +114,10 @@ class RecurrentStep:
         s_part = smem.allocate_tensor(Float32, cute.make_layout((2, 2, WARPS, COLS),
                                                                 stride=(2 * WARPS * COLS, WARPS * COLS, COLS, 1)), 16)
 
+        # launched early (PDL): the setup above overlaps the previous kernel's tail; every thread waits for it
+        # before its first global access (the previous step may write the pool slots this one reads)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
         bos = n * T
         length = T
         if cutlass.const_expr(cfg.varlen):

@@ -102,6 +102,7 @@ class TensorCoreStep:
     l2-normalized and scaled, with each token's beta and log decay (the gate-in-kernel and beta-sigmoid forms as
     `RecurrentStep`); the 8 x 8 matrices A, M and (I + A)^-1 are formed by 128 threads (a dot product each, then
     one column of the inverse each for 8 threads); then each warp runs its MMAs, writes o and the state.
+    Launched early (PDL): every thread waits on the previous kernel before its first global access.
     Arguments as `RecurrentStep`'s (the spec ones unused).
     """
 
@@ -120,7 +121,7 @@ class TensorCoreStep:
         self.kernel(flat(q), flat(k), flat(v), flat(g), flat(beta), a_log, dt_bias, h0, ht, init_idx, final_idx,
                     flat(o), T, scale, lower_bound).launch(grid=[self.config.head_dim // COLS, v.shape[2], N],
                                                            block=[THREADS, 1, 1], stream=stream,
-                                                           min_blocks_per_mp=MIN_CTAS_PER_SM,
+                                                           min_blocks_per_mp=MIN_CTAS_PER_SM, use_pdl=True,
                                                            preferred_smem_carveout=SMEM_CARVEOUT)
 
     @cute.kernel
@@ -149,6 +150,10 @@ class TensorCoreStep:
         sM = smem.allocate_tensor(Float32, cute.make_layout((TOK, TOK), stride=(TOK, 1)), 16)
         sInv = smem.allocate_tensor(Float32, cute.make_layout((TOK, TOK), stride=(TOK, 1)), 16)
 
+        # launched early (PDL): the setup above overlaps the previous kernel's tail; every thread waits for it
+        # before its first global access (the previous step may write the pool slots this one reads)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
         # the state's loads (64 a thread) and v's, issued before anything waits
         state = cute.make_rmem_tensor((4 * KEY_STEPS,), Float32)
         state.fill(0.0)

@@ -141,6 +141,11 @@ PEER_LOADERS = {"fla": peer_fla, "flashinfer": peer_flashinfer}
 FORMS = ("pool", "dense")
 
 
+def ours_forms(kda: bool) -> dict:
+    """form -> ours' prepare, for every form in FORMS (what `run_cell` takes)."""
+    return {form: ours(kda, form) for form in FORMS}
+
+
 def peer_form(name: str, cell: StepCell) -> str:
     """The state form a peer's call runs in, so it is compared with ours in the same form."""
     return "dense" if name == "fla" or cell.Sq == 1 else "pool"
@@ -297,7 +302,7 @@ def main(argv=None) -> int:
     meta = {"device": device, "date": date, "torch": torch.__version__, "op": args.op, "grid": args.grid,
             "copy_tbps": copy_tbps, "l2_bytes": l2_size(), "peers_missing": missing, "timer": timer.name,
             "time": "GPU time per call under CUDA-graph replay (eager host time per call beside it)"}
-    prepare = ours(kda)
+    prepare = ours_forms(kda)
     l2_bytes = l2_size()
     rows = sweep_cells(cells, lambda cell: run_cell(cell, kda, prepare, peers, timer, copy_tbps, l2_bytes), args.op,
                        stem, meta)

@@ -652,3 +652,14 @@ def test_decode_step_peers_compared_with_ours_in_their_form():
     r = {"ours_us": 10.0, "ours_dense_us": None, "peers": {"fla": 9.0}}    # our dense call failed: no ratio
     rd.compare_in_forms(r, rd.StepCell(4, 8, 1))
     assert r["speedup_vs_best"] is None and r["best_peer"] == "fla"
+
+
+def test_decode_step_sweep_passes_every_form_of_ours():
+    """The sweep hands `run_cell` a prepare per form (it once passed one function, and every cell read FAIL)."""
+    import inspect
+
+    from benchmarks import recurrent_decode as rd
+
+    forms = rd.ours_forms(kda=False)
+    assert set(forms) == set(rd.FORMS) and all(callable(p) for p in forms.values())
+    assert "ours_forms(kda)" in inspect.getsource(rd.main)

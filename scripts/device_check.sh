@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, check and time on the GPU machine in one call, by stage. From the repo root, after
 # `source .wheelhouse/b/install.sh`:
-#   bash scripts/device_check.sh [tests] [decode] [recurrent] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [paths-ab] [decode-splits] [steps] [sm100] [bench-OP-GRID] [peers-OP-GRID] ...
+#   bash scripts/device_check.sh [tests] [decode] [recurrent] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [paths-ab] [decode-splits] [decode-anatomy] [decode-overlap] [steps] [sm100] [bench-OP-GRID] [peers-OP-GRID] ...
 # Logs go to $OUT/logs_<stages>.tgz (one file: a call brings back at most 8), the seed8 / fla8 JSON to ./device_out (kept
 # on the machine between calls) and a copy into $OUT. Every stage runs under a hard limit (SIGINT first, so a
 # sweep writes the cells it measured), so a hung kernel cannot eat the session.
@@ -30,6 +30,10 @@
 #              KDA sweeps; on another GPU a dry run (builds, test collection, the sweeps' grids, the sanitizer's presence)
 #   profile-CASE  one kernel under ncu's source counters, warp stalls per line of its Python (scripts/profile_lines.py:
 #              gdn-fused, kda-fused, gdn-two-phase, gdn-step, kda-step, decode, decode-small)
+#   decode-anatomy  ours and torch SDPA kernel by kernel under ncu (scripts/decode_anatomy.py kernels; grid, GPU
+#              time, DRAM bytes per kernel of one call; $ANATOMY_CELLS)
+#   decode-overlap  the same cells replayed from CUDA graphs under nsys: each kernel's time and the gaps between
+#              consecutive kernels (does the next call start before this one ends?)
 #   peers-OP-GRID  ours against FLA, FlashInfer and FlashQLA (CUDA graphs; FlashQLA in its own process when
 #              scripts/peer_install.sh flashqla ran): benchmarks/results' {op}_peers_<device>_<date>.json
 set -uo pipefail
@@ -195,6 +199,19 @@ print(len(r.grid('full')), 'decode-step cells;', len(d.grid('full')), 'decode ce
         > "$out/profile_${case}_source.csv" 2>&1
       TAIL=60 run "profile_${case}_lines.log" 120 python3 scripts/profile_lines.py report "$out/profile_${case}_source.csv"
       TAIL=60 run "profile_${case}_details.log" 120 ncu --import "/tmp/prof_$case.ncu-rep" --page details ;;
+    decode-anatomy)
+      TAIL=0 run decode_anatomy.log $t ncu --nvtx --profile-from-start off --cache-control all --clock-control none \
+        --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,dram__bytes_read.sum,launch__shared_mem_per_block \
+        python3 scripts/decode_anatomy.py kernels ${ANATOMY_CELLS:-}
+      grep -E "^  [^ ]|<0,|gpu__time|grid_size|dram__bytes" "$out/decode_anatomy.log" | cut -c1-160 | head -120 ;;
+    decode-overlap)
+      nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+      if [ -z "$nsys" ]; then echo "decode-overlap: nsys missing"; status=1; continue; fi
+      rm -f /tmp/decode_overlap.*
+      TAIL=5 run decode_overlap_trace.log $t "$nsys" profile --trace cuda,nvtx --cuda-graph-trace node \
+        -o /tmp/decode_overlap python3 scripts/decode_anatomy.py replay ${ANATOMY_CELLS:-}
+      "$nsys" export --type sqlite -o /tmp/decode_overlap.sqlite /tmp/decode_overlap.nsys-rep > /dev/null 2>&1
+      TAIL=80 run decode_overlap.log 120 python3 scripts/decode_anatomy.py overlap /tmp/decode_overlap.sqlite ;;
     bench-*)
       spec=${stage#bench-}; op=${spec%%-*}; grid=${spec#*-}
       TAIL=40 run "bench_${op}_${grid}.log" $t python3 -m benchmarks.sweep --op "$op" --grid "$grid" --out "$dest" ${BENCH_ARGS:-} ;;

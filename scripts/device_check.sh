@@ -2,6 +2,8 @@
 # Build, check and time on the GPU machine in one call, by stage. From the repo root, after
 # `source .wheelhouse/b/install.sh`:
 #   bash scripts/device_check.sh [tests] [decode] [recurrent] [sanitize] [probe] [mutations] [compare] [seed8] [fla8] [paths] [paths-ab] [decode-splits] [decode-anatomy] [decode-overlap] [steps] [sm100] [bench-OP-GRID] [peers-OP-GRID] ...
+# Peers: carry a part of .wheelhouse/peers[_flashqla] per call (scripts/peer_wheels.sh); each call keeps what it
+# carried in /tmp and installs a set once all its parts are there.
 # Logs go to $OUT/logs_<stages>.tgz (one file: a call brings back at most 8), the seed8 / fla8 JSON to ./device_out (kept
 # on the machine between calls) and a copy into $OUT. Every stage runs under a hard limit (SIGINT first, so a
 # sweep writes the cells it measured), so a hung kernel cannot eat the session.
@@ -47,6 +49,20 @@ stages=${*:-tests}
 status=0
 t=${STAGE_TIMEOUT:-300}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$out/gpu.txt"
+# The peers' wheel parts (scripts/peer_wheels.sh): a carried part is kept in /tmp for later calls on this machine,
+# and once every part of a set is there it is installed (once) and put on PYTHONPATH for this call
+for set in flashinfer flashqla; do
+  src=.wheelhouse/peers$([ $set = flashqla ] && echo _flashqla); parts=/tmp/peer_parts_$set
+  for p in "$src"/p*/; do [ -d "$p" ] && mkdir -p "$parts" && cp "$p"* "$parts"/; done
+  if [ $set = flashinfer ] && [ -f "$parts/manifest" ] \
+      && [ "$(ls "$parts" | grep -c '^part')" = "$(cut -d' ' -f3 "$parts/manifest")" ]; then
+    source scripts/peer_install.sh flashinfer && echo "peers: flashinfer installed"
+  elif [ $set = flashqla ] && [ -f "$parts/manifest" ] && [ ! -f /tmp/site_flashqla/.complete ] \
+      && [ "$(ls "$parts" | grep -c '^part')" = "$(cut -d' ' -f3 "$parts/manifest")" ]; then
+    # its own process only (its apache-tvm-ffi shadows ours): installed here, imported by the peers stage
+    (source scripts/peer_install.sh flashqla) && echo "peers: flashqla installed"
+  fi
+done
 # Compiled kernels on disk (cute_kernels/runtime/aot.py) in ./.aot: every process of this call, and of later calls
 # while the machine stays warm, compiles each kernel once (a carried .aot filled on the CPU machine counts too).
 # CUTE_KERNELS_DUMP_DIR stays unset here: a process with a dump directory compiles every kernel afresh.

@@ -53,7 +53,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 # and once every part of a set is there it is installed (once) and put on PYTHONPATH for this call
 for set in flashinfer flashqla; do
   src=.wheelhouse/peers$([ $set = flashqla ] && echo _flashqla); parts=/tmp/peer_parts_$set
-  for p in "$src"/p*/; do [ -d "$p" ] && mkdir -p "$parts" && cp "$p"* "$parts"/; done
+  for p in "$src"/p*/; do [ -d "$p" ] && mkdir -p "$parts" && cp -r "$p". "$parts"/; done
   if [ $set = flashinfer ] && [ -f "$parts/manifest" ] \
       && [ "$(ls "$parts" | grep -c '^part')" = "$(cut -d' ' -f3 "$parts/manifest")" ]; then
     source scripts/peer_install.sh flashinfer && echo "peers: flashinfer installed"

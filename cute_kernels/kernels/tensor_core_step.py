@@ -154,7 +154,7 @@ class TensorCoreStep:
         # before its first global access (the previous step may write the pool slots this one reads)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        # the state's loads (64 a thread) and v's, issued before anything waits
+        # the state's loads (64 a thread) and v's, all issued before any of them is waited on
         state = cute.make_rmem_tensor((4 * KEY_STEPS,), Float32)
         state.fill(0.0)
         if cutlass.const_expr(cfg.initial != "none"):

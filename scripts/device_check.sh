@@ -54,11 +54,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 for set in flashinfer flashqla; do
   src=.wheelhouse/peers$([ $set = flashqla ] && echo _flashqla); parts=/tmp/peer_parts_$set
   for p in "$src"/p*/; do [ -d "$p" ] && mkdir -p "$parts" && cp -r "$p". "$parts"/; done
-  if [ $set = flashinfer ] && [ -f "$parts/manifest" ] \
-      && [ "$(ls "$parts" | grep -c '^part')" = "$(cut -d' ' -f3 "$parts/manifest")" ]; then
+  [ -f "$parts/manifest" ] && [ "$(ls "$parts" | grep -c '^part')" = "$(cut -d' ' -f3 "$parts/manifest")" ] || continue
+  if [ $set = flashinfer ]; then
     source scripts/peer_install.sh flashinfer && echo "peers: flashinfer installed"
-  elif [ $set = flashqla ] && [ -f "$parts/manifest" ] && [ ! -f /tmp/site_flashqla/.complete ] \
-      && [ "$(ls "$parts" | grep -c '^part')" = "$(cut -d' ' -f3 "$parts/manifest")" ]; then
+  elif [ ! -f /tmp/site_flashqla/.complete ]; then
     # its own process only (its apache-tvm-ffi shadows ours): installed here, imported by the peers stage
     (source scripts/peer_install.sh flashqla) && echo "peers: flashqla installed"
   fi

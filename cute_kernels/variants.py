@@ -156,9 +156,11 @@ def _variants() -> list[Variant]:
     fixup = ("fence.acq_rel.gpu", "atom.global.add")
     for cfg, io in [(DecodeConfig(group=8), bf), (DecodeConfig(group=4), bf), (DecodeConfig(group=1), f16),
                     (DecodeConfig(group=8, q_len=4), bf), (DecodeConfig(group=8, paged=True), bf),
-                    (DecodeConfig(group=8, softcap=True), bf), (DecodeConfig(group=4, persistent=True), bf)]:
+                    (DecodeConfig(group=8, softcap=True), bf), (DecodeConfig(group=4, persistent=True), bf),
+                    (DecodeConfig(group=4, longest_first=True), bf)]:
         name = (f"decode_g{cfg.group}_q{cfg.q_len}_{_dtype_tag(io)}" + ("_paged" if cfg.paged else "")
-                + ("_softcap" if cfg.softcap else "") + ("_stream_k" if cfg.persistent else ""))
+                + ("_softcap" if cfg.softcap else "") + ("_stream_k" if cfg.persistent else "")
+                + ("_longest_first" if cfg.longest_first else ""))
         need = ("wgmma.mma_async.sync.aligned.m64n16k16", "wgmma.mma_async.sync.aligned.m64n128k16", TMA_LOAD,
                 "shfl.sync.bfly", "ex2.approx") + fixup + (("tanh.approx",) if cfg.softcap else ())
         out.append(Variant("decode_attention", name, lambda d, c=cfg, io=io: build_decode(c, io, dump_dir=d), need,

@@ -12,9 +12,10 @@ Inside a `@cute.kernel`:
 its row count. Non-persistent grids give CTA b tile b; persistent grids give CTA b tiles b, b + grid, ...
 Host side: `grid_shape(schedule)`.
 
-`EvenSplitScheduler.create(splits, blocks, num_tiles)` is the same protocol for a split-KV plan whose table is
-`splits.even_split_fields` of the row index (`even_split_shape(schedule)`): CTA b computes its tile from b, so
-nothing is read before its first load.
+`EvenSplitScheduler.create(splits, blocks, num_tiles, unit_of=None)` is the same protocol for a split-KV plan whose
+table is `splits.even_split_fields` of the row index (`even_split_shape(schedule)`): CTA b computes its tile from b,
+so nothing is read before its first load. `unit_of` (a jit function of the tile's unit position) hands the units
+out in another order, e.g. longest first.
 """
 
 from __future__ import annotations
@@ -113,13 +114,16 @@ class TileScheduler:
 
 
 class EvenSplitTile(_SegmentFlags):
-    """A work tile of an even split plan, its fields computed from its index (`even_split_fields`): unit `seq`,
-    split `segment` of `num_segments`, KV blocks [chunk_start, chunk_end), slot `seg_slot` = its index."""
+    """A work tile of an even split plan, its fields computed from its index (`even_split_fields`): unit `seq`
+    (`unit_of` of the unit position, when given), split `segment` of `num_segments`, KV blocks [chunk_start,
+    chunk_end), slot `seg_slot` = its index (a unit's splits keep consecutive slots in any unit order)."""
 
-    def __init__(self, index, splits, blocks, num_tiles):
+    def __init__(self, index, splits, blocks, num_tiles, unit_of=None):
         self.index = Int32(index)
-        self._splits, self._blocks, self._num_tiles = splits, blocks, num_tiles
+        self._splits, self._blocks, self._num_tiles, self._unit_of = splits, blocks, num_tiles, unit_of
         self.seq, self.segment, self.chunk_start, self.chunk_end = even_split_fields(self.index, splits, blocks)
+        if unit_of is not None:
+            self.seq = unit_of(self.seq)
         self.num_segments = splits
         self.seg_slot = self.index
         self.head = Int32(0)
@@ -133,25 +137,25 @@ class EvenSplitTile(_SegmentFlags):
         return [self.index.ir_value()]
 
     def __new_from_mlir_values__(self, values):
-        return EvenSplitTile(Int32(values[0]), self._splits, self._blocks, self._num_tiles)
+        return EvenSplitTile(Int32(values[0]), self._splits, self._blocks, self._num_tiles, self._unit_of)
 
 
 class EvenSplitScheduler:
     """Device-side scheduler of an even split plan, one tile per CTA, no table (see the module docstring)."""
 
-    def __init__(self, splits, blocks, num_tiles):
-        self.splits, self.blocks, self.num_tiles = splits, blocks, num_tiles
+    def __init__(self, splits, blocks, num_tiles, unit_of=None):
+        self.splits, self.blocks, self.num_tiles, self.unit_of = splits, blocks, num_tiles, unit_of
 
     @staticmethod
-    def create(splits, blocks, num_tiles) -> "EvenSplitScheduler":
-        return EvenSplitScheduler(splits, blocks, num_tiles)
+    def create(splits, blocks, num_tiles, unit_of=None) -> "EvenSplitScheduler":
+        return EvenSplitScheduler(splits, blocks, num_tiles, unit_of)
 
     def initial_work(self) -> EvenSplitTile:
         bid, _, _ = cute.arch.block_idx()
-        return EvenSplitTile(bid, self.splits, self.blocks, self.num_tiles)
+        return EvenSplitTile(bid, self.splits, self.blocks, self.num_tiles, self.unit_of)
 
     def advance(self, work: EvenSplitTile) -> EvenSplitTile:
-        return EvenSplitTile(self.num_tiles, self.splits, self.blocks, self.num_tiles)
+        return EvenSplitTile(self.num_tiles, self.splits, self.blocks, self.num_tiles, self.unit_of)
 
     def get_current_work(self, work: EvenSplitTile) -> EvenSplitTile:
         return work

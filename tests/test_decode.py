@@ -114,6 +114,20 @@ def test_default_plan_by_device_kind():
     assert short.plan.splits == [16] * 8
 
 
+def test_longest_first_where_tiles_outnumber_the_cta_slots():
+    """Tiles longest batch row first only for an even plan of more tiles than CTA slots (132 SMs x 2), whose
+    splits may be long (>= 2048 tokens), over 2 to 256 rows; `last_plan` says which order the tiles go in."""
+    many, config, _ = dec.plan_decode(64, 8, 4, 1, 4096, False, False, 132)
+    assert many.num_tiles == 512 and config.longest_first
+    assert "longest batch row first" in dec.explain_plan(many, config)
+    for B, L, sched in [(64, 1024, None), (16, 32768, None), (257, 4096, None), (64, 4096, StreamKScheduler())]:
+        s, c, _ = dec.plan_decode(B, 8, 4, 1, L, False, False, 132, sched)
+        assert not c.longest_first, (B, L, s.num_tiles)
+        assert "(batch row, KV head, split) order" in dec.explain_plan(s, c) or c.persistent
+    with pytest.raises(ValueError, match="longest_first"):
+        DecodeConfig(persistent=True, longest_first=True)
+
+
 @pytest.mark.parametrize("B, Hkv, L, splits, batch", [(4, 8, 4096, 4, 4), (1, 8, 4096, 16, 16), (1, 4, 4096, 32, 16),
                                                       (16, 4, 512, 2, 2), (64, 8, 4096, 1, 1), (2, 8, 4096, 8, 8)])
 def test_merge_batch_covers_the_planned_splits(B, Hkv, L, splits, batch):
@@ -260,6 +274,34 @@ def test_waves_for_a_ragged_batch():
     q, k, v, lens, _ = cache_inputs(16, 32, 8, [4096, 17, 0, 700, 2048, 1, 3999, 64] * 2, device="cuda", seed=12)
     check(q, k, v, lens, max_seqlen=4096, scheduler=SplitKVScheduler(waves=2))
     assert "2 waves" in ck.last_plan()
+
+
+@requires_sm90
+def test_longest_first_over_ragged_rows_and_graph_replay():
+    """More tiles than CTA slots: the tiles go out longest row first, ranked on the device from the true lengths.
+    Ragged rows with ties, 0 and 1, the longest last; then a CUDA graph replayed with the lengths reordered."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    Hkv, L = 8, 2048
+    B = (2 * sms) // Hkv + 6
+    lens = ([0, 1, 63, 64, 65, 700, 700, 1999] * B)[: B - 3] + [2047, L, L]
+    q, k, v, seqlens, _ = cache_inputs(B, 8, Hkv, lens, device="cuda", seed=31)
+    schedule, config, _ = dec.plan_decode(B, Hkv, 1, 1, L, False, False, sms)
+    assert config.longest_first and schedule.num_tiles > 2 * sms
+    check(q, k, v, seqlens, max_seqlen=L)
+    assert "longest batch row first" in ck.last_plan()
+    o = torch.empty_like(q)
+    ck.decode_attention(q, k, v, seqlens, max_seqlen=L, out=(o, None))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ck.decode_attention(q, k, v, seqlens, max_seqlen=L, out=(o, None))
+    for new in (lens[::-1], [L] * B, [(i * 37) % (L + 1) for i in range(B)]):
+        seqlens.copy_(torch.tensor(new, dtype=torch.int32))
+        o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_o, _ = decode_attention_ref(q.cpu(), k.cpu(), v.cpu(), seqlens.cpu())
+        assert not o.isnan().any() and rel_err(o, ref_o) < 5e-3, rel_err(o, ref_o)
 
 
 @requires_sm90

@@ -196,7 +196,9 @@ class DecodeConfig:
     (else [B, Tmax, Hkv, D]). softcap: scores pass through c tanh(s / c). persistent: the stream-K table (CTAs
     loop over their pieces); else an even split, each CTA's tile computed from its index. stages: the K / V ring's
     depth (32 KB a stage at D = 128). merge_batch: the fixup's splits read at once (`decode_fixup.merge_unit`), the
-    planner's power of two covering the split count, at most 16."""
+    planner's power of two covering the split count, at most 16. longest_first (an even split only): the tiles go
+    out longest batch row first, ranked on the device from the true lengths, so in a grid of several waves a long
+    row of a ragged batch starts early instead of finishing alone."""
 
     head_dim: int = 128
     group: int = 1
@@ -206,8 +208,11 @@ class DecodeConfig:
     persistent: bool = False
     stages: int = 2
     merge_batch: int = 4
+    longest_first: bool = False
 
     def __post_init__(self):
+        if self.longest_first and self.persistent:
+            raise ValueError("longest_first orders an even split's tiles; a persistent (stream-K) plan has a table")
         if self.head_dim not in DECODE_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {DECODE_HEAD_DIMS}, got {self.head_dim}")
         if not 1 <= self.q_len <= 8:

@@ -1,7 +1,8 @@
 """The split-KV fixup (every arch): a unit's partials (o normalized within its split, lse) merged into its output.
 
-`split_range`, `box_row` and `masked_score` are the work tile's tokens, a box's cache row and a score's mask (both
-decode kernels). `merge_unit` is the merge (the math of `reference.softmax_attention.lse_merge`). Inside the
+`tile_scheduler` is both decode kernels' work-tile source (the stream-K table, or an even split computed from the
+CTA index, optionally longest batch row first: `ranked_row`). `split_range`, `box_row` and `masked_score` are the
+work tile's tokens, a box's cache row and a score's mask (both decode kernels). `merge_unit` is the merge (the math of `reference.softmax_attention.lse_merge`). Inside the
 decode kernel, `is_last_split` picks the CTA that runs it: every split's CTA, once its partial is stored, passes
 a CTA barrier, and one thread fences (gpu-scope acq_rel) and adds 1 to its unit's counter; the one that sees
 num_splits - 1 is last, puts the counter back to 0 for the next call, fences again and, after a second barrier,
@@ -18,6 +19,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from schedulers.device import EvenSplitScheduler, TileScheduler
+
 from .configs import DECODE_MERGE_BATCHES
 
 THREADS = 128   # the threads that merge
@@ -31,6 +34,40 @@ def unit_rows(t: cute.Tensor, group: int) -> cute.Tensor:
     shape = ((hkv, t.shape[0]), (group, t.shape[1])) + tuple(t.shape[3:])
     stride = ((group * s[2], s[0]), (s[2], s[1])) + tuple(s[3:])
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+@cute.jit
+def ranked_row(tidx, num_threads: int, mLens, rank, sFlag):
+    """The batch row at place `rank` when rows are ordered by their true length, longest first (ties: lower row
+    first, so a uniform batch keeps index order). All `num_threads` threads of the CTA call it: thread t ranks rows
+    t, t + num_threads, ... against every row by the key length x rows + (rows - 1 - row), unique per row; the
+    one ranked `rank` goes through sFlag[1], read after a CTA barrier."""
+    rows = mLens.shape[0]
+    for r in cutlass.range(tidx, rows, num_threads, unroll=1):
+        key = cutlass.Int64(mLens[r]) * rows + (rows - 1 - r)
+        above = Int32(0)
+        for j in cutlass.range(rows, unroll=4):
+            if cutlass.Int64(mLens[j]) * rows + (rows - 1 - j) > key:
+                above += 1
+        if above == rank:
+            sFlag[1] = r
+    cute.arch.sync_threads()
+    return sFlag[1]
+
+
+def tile_scheduler(config, tidx, num_threads: int, mTiles, num_tiles, splits, unit_blocks, mLens, num_kv_heads,
+                   sFlag):
+    """A decode kernel's scheduler, after the PDL wait: stream-K's table (`config.persistent`), or an even split
+    whose tile comes from the CTA index, with `config.longest_first` for the batch row ranked at the CTA's row
+    place (every thread calls it then)."""
+    if cutlass.const_expr(config.persistent):
+        return TileScheduler.create(mTiles, num_tiles, True)
+    if cutlass.const_expr(config.longest_first):
+        bid, _, _ = cute.arch.block_idx()
+        row = ranked_row(tidx, num_threads, mLens, (bid // splits) // num_kv_heads, sFlag)
+        return EvenSplitScheduler.create(splits, unit_blocks, num_tiles,
+                                         lambda u: row * num_kv_heads + u % num_kv_heads)
+    return EvenSplitScheduler.create(splits, unit_blocks, num_tiles)
 
 
 @cute.jit

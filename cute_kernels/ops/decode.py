@@ -25,6 +25,11 @@ CTAS_PER_SM = 2     # the kernel's 2-stage ring leaves room for two CTAs per SM
 # its bandwidth (two measured slower there), and SM100 is not measured
 LONG_SPLIT_KV = {"H200": 512}
 PAGE_MULTIPLE = 16  # the kernel reads pages in 16-token boxes
+# an even split of more than one wave of CTAs hands its tiles out longest batch row first (ranked on the device,
+# every thread scanning the lengths once per row it ranks) where each split may be long enough for a late start
+# to show, and the rows few enough for the ranking to be cheap (docs/design.md, "Units and the plan")
+LONGEST_FIRST_MIN_KV = 2048
+LONGEST_FIRST_MAX_ROWS = 256
 
 
 def validate(q, k_cache, v_cache, cache_seqlens, page_table, scale, softcap, max_seqlen):
@@ -102,11 +107,30 @@ def plan_decode(B: int, Hkv: int, group: int, Sq: int, bound: int, paged: bool, 
         if even is None:   # every unit has the bound's length, so an even split's table is always the formula
             raise RuntimeError(f"internal: the split-KV plan of {B} rows x {Hkv} KV heads is not even: {schedule.plan}")
         config = DecodeConfig(group=group, q_len=Sq, paged=paged, softcap=softcap, persistent=schedule.persistent,
-                              merge_batch=merge_batch(max(schedule.plan.splits)))
+                              merge_batch=merge_batch(max(schedule.plan.splits)),
+                              longest_first=longest_first(schedule, B, bound, sms))
         if len(_plans) > 256:
             _plans.clear()
         hit = _plans[key] = (schedule, config, even)
     return hit
+
+
+def longest_first(schedule, B: int, bound: int, sms: int) -> bool:
+    """Whether an even plan's tiles go out longest batch row first (`DecodeConfig.longest_first`): with more
+    tiles than the kernel's CTA slots, the last to start would otherwise be the highest rows, long or not, and a
+    long row started last finishes alone. Only where a split may hold `LONGEST_FIRST_MIN_KV` tokens and the
+    batch has at most `LONGEST_FIRST_MAX_ROWS` rows."""
+    if schedule.persistent or not 1 < B <= LONGEST_FIRST_MAX_ROWS:
+        return False
+    splits = max(schedule.plan.splits)
+    return schedule.num_tiles > sms * CTAS_PER_SM and bound >= LONGEST_FIRST_MIN_KV * splits
+
+
+def explain_plan(schedule, config) -> str:
+    """The scheduler's explanation, plus the order the kernel hands its tiles out in."""
+    order = ("tiles longest batch row first (ranked on the device from the true lengths): more tiles than CTA "
+             "slots" if config.longest_first else "tiles in (batch row, KV head, split) order")
+    return f"{schedule.explain()}\n- {order}"
 
 
 _counters: dict = {}
@@ -148,7 +172,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, sca
     group = Hq // Hkv
     schedule, config, (splits, unit_blocks) = plan_decode(B, Hkv, group, Sq, bound, paged, softcap is not None,
                                                           sm_count(device), scheduler, device_kind(device))
-    last.record(lambda: schedule.explain())
+    last.record(lambda: explain_plan(schedule, config))
     if B == 0:
         return _result(o4, lse3, q, return_lse, out)
     slots = schedule.segmentation.total_segments

@@ -14,10 +14,8 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from schedulers.device import EvenSplitScheduler, TileScheduler
-
 from ..configs import DecodeConfig
-from ..decode_fixup import box_row, is_last_split, masked_score, merge_unit, split_range, unit_rows
+from ..decode_fixup import box_row, is_last_split, masked_score, merge_unit, split_range, tile_scheduler, unit_rows
 from ..views import dth, flat, thd
 from .budgets import check_smem, tmem_plan
 from .tmem_copy import column_copies
@@ -39,7 +37,8 @@ LN2 = math.log(2.0)
 class SplitKVDecodeSm100:
     """Decode attention on Blackwell, one split of one unit per work tile (`DecodeConfig`, as the SM90 kernel).
 
-    Warp roles (192 threads, 2 CTAs per SM):
+    Warp roles (192 threads, 2 CTAs per SM). Before they split, with `longest_first`, all threads rank the batch
+    rows by their true lengths to find the row of the CTA's tile (`decode_fixup.ranked_row`).
     - warps 0-3, softmax and epilogue (thread t owns row t: TMEM lane t): the unit's query rows into shared memory
       (row r = i * group + g; rows past group x q_len zero); per block: S from TMEM (tcgen05.ld), the masks, softcap,
       the online softmax (log2 units, the row wholly in the thread: no shuffles), P as bf16 / fp16 into shared
@@ -167,11 +166,8 @@ class SplitKVDecodeSm100:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        if cutlass.const_expr(self.config.persistent):   # stream-K: the table
-            sched = TileScheduler.create(mTiles, num_tiles, True)
-        else:   # an even split: the tile from the CTA index, nothing read before the first load
-            sched = EvenSplitScheduler.create(splits, unit_blocks, num_tiles)
         num_kv_heads = mQ.shape[2] // self.group
+        sFlag = st.sFlag.get_tensor(cute.make_layout(4))
         if warp_idx == LOAD_WARP:
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
@@ -179,6 +175,8 @@ class SplitKVDecodeSm100:
         # kernel before touching global memory, and the next launch may start its own setup
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
+        sched = tile_scheduler(self.config, tidx, THREADS, mTiles, num_tiles, splits, unit_blocks, mLens,
+                               num_kv_heads, sFlag)
         if warp_idx == LOAD_WARP:
             self.producer(sched, load, mma_s, mma_pv, tma_k, mK, tma_v, mV, sK, sV, mLens, mPages, page_size,
                           num_kv_heads)
@@ -197,8 +195,7 @@ class SplitKVDecodeSm100:
                 self.mma(sched, load, q_full, s_full, p_full, o_full, mma_s, mma_pv, sQ, sK, sV, sP, tS, tO, mLens,
                          num_kv_heads)
             else:
-                self.softmax(sched, q_full, s_full, p_full, o_full, tidx, sQ, sV, sP, tS, tO, st.sFlag.get_tensor(
-                    cute.make_layout(4)), mQ, mLens, mO, mLse, mOp, mLp, mCount, num_kv_heads, scale, softcap)
+                self.softmax(sched, q_full, s_full, p_full, o_full, tidx, sQ, sV, sP, tS, tO, sFlag, mQ, mLens, mO, mLse, mOp, mLp, mCount, num_kv_heads, scale, softcap)
             # every TMEM read and MMA done (the softmax warps waited on the tile's last o_full) before the free
             tmem.relinquish_alloc_permit()
             pipeline.NamedBarrier(barrier_id=2, num_threads=softmax_threads + 32).arrive_and_wait()

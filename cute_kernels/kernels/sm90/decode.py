@@ -13,10 +13,8 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from schedulers.device import EvenSplitScheduler, TileScheduler
-
 from ..configs import DECODE_ROWS, DecodeConfig
-from ..decode_fixup import box_row, is_last_split, masked_score, merge_unit, split_range, unit_rows
+from ..decode_fixup import box_row, is_last_split, masked_score, merge_unit, split_range, tile_scheduler, unit_rows
 from . import wgmma_tiles as wt
 
 C = 64        # KV tokens per block: one ring stage
@@ -29,7 +27,8 @@ LN2 = math.log(2.0)
 class SplitKVDecodeSm90:
     """Decode attention on Hopper, one split of one unit per work tile (`DecodeConfig`).
 
-    Warp roles (160 threads):
+    Warp roles (160 threads). Before they split, with `longest_first`, all threads rank the batch rows by their
+    true lengths to find the row of the CTA's tile (`decode_fixup.ranked_row`; barrier 0 after).
     - warps 0-3, the consumer warpgroup: the unit's query rows (row r = i * group + g: query head kv_head * group
       + g of new token i; rows past group x q_len are zero) into shared memory; per KV block S = Q K^T (four
       64 x 16 x D wgmmas, one per 16-token box; in the block holding the cache's last token, V's rows past it
@@ -117,11 +116,8 @@ class SplitKVDecodeSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
             tx_count=self.tma_bytes,
         )
-        if cutlass.const_expr(self.config.persistent):   # stream-K: the table
-            sched = TileScheduler.create(mTiles, num_tiles, True)
-        else:   # an even split: the tile from the CTA index, nothing read before the first load
-            sched = EvenSplitScheduler.create(splits, unit_blocks, num_tiles)
         num_kv_heads = mQ.shape[2] // self.group
+        sFlag = st.sFlag.get_tensor(cute.make_layout(4))
         if warp_idx == 4:
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
@@ -129,14 +125,15 @@ class SplitKVDecodeSm90:
         # kernel before touching global memory, and the next launch may start its own setup
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
+        sched = tile_scheduler(self.config, tidx, self.num_threads, mTiles, num_tiles, splits, unit_blocks, mLens,
+                               num_kv_heads, sFlag)
         if warp_idx == 4:
             self.producer(sched, load, tma_k, mK, tma_v, mV, wt.smem_view(st.sK, io, BOX, D, ns * 4),
                           wt.smem_view(st.sV, io, BOX, D, ns * 4), mLens, mPages, page_size, num_kv_heads)
         else:
             self.consumer(sched, load, tidx, wt.smem_view(st.sQ, io, ROWS, D),
                           wt.smem_view(st.sK, io, BOX, D, ns * 4), wt.smem_view(st.sV, io, BOX, D, ns * 4),
-                          wt.smem_view(st.sV, io, BOX, D, ns * 4, True),
-                          st.sFlag.get_tensor(cute.make_layout(4)), mQ, mLens, mO, mLse, mOp, mLp, mCount,
+                          wt.smem_view(st.sV, io, BOX, D, ns * 4, True), sFlag, mQ, mLens, mO, mLse, mOp, mLp, mCount,
                           num_kv_heads, scale, softcap)
 
     @cute.jit

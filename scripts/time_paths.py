@@ -182,14 +182,16 @@ def decode(arg):
             line.append(f"{name} {rotated_graph_us(call, sets):.1f}" + (f" ({splits})" if splits else ""))
         # the default plan with a deeper K / V ring (`DecodeConfig.stages`; the planner's is 2): more bytes in
         # flight per CTA where DRAM's latency, not the L2's, sets how fast a CTA's blocks arrive
+        # (and one unsplit CTA per unit with the deepest ring: fewer splits, no merge, the same bytes in flight)
         planned_config = dec.DecodeConfig
-        for stages in (3, 4):
+        for stages, tag, sched in ((3, "", None), (4, "", None), (4, "1 split, ", SplitKVScheduler(num_splits=1))):
             dec.DecodeConfig = functools.partial(planned_config, stages=stages)
             dec._plans.clear()
             try:
-                call = lambda x: ck.decode_attention(x["q"], x["k"], x["v"], lens, max_seqlen=L)  # noqa: E731
+                call = lambda x, s=sched: ck.decode_attention(x["q"], x["k"], x["v"], lens, max_seqlen=L,  # noqa: E731
+                                                              scheduler=s)
                 call(sets[0])
-                line.append(f"{stages} stages {rotated_graph_us(call, sets):.1f}")
+                line.append(f"{tag}{stages} stages {rotated_graph_us(call, sets):.1f}")
             finally:
                 dec.DecodeConfig = planned_config
                 dec._plans.clear()

@@ -5,6 +5,7 @@ overlap when replayed from a CUDA graph (as the sweep times them).
         python3 scripts/decode_anatomy.py kernels [CELLS]      # one call of each inside cudaProfilerStart / Stop
     nsys profile --cuda-graph-trace=node -o OUT python3 scripts/decode_anatomy.py replay [CELLS]
     python3 scripts/decode_anatomy.py overlap OUT.sqlite       # (nsys export --type sqlite OUT.nsys-rep)
+    python3 scripts/decode_anatomy.py profile [CELLS]          # the same report from torch's profiler (no nsys)
 
 `kernels`: per cell and implementation, three warm calls, then one call between cudaProfilerStart / Stop inside an
 NVTX range "<impl> <cell>", so Nsight Compute profiles just that call's kernels.
@@ -12,6 +13,8 @@ NVTX range "<impl> <cell>", so Nsight Compute profiles just that call's kernels.
 REPLAYS times inside an NVTX range (synchronized, so the range holds the GPU work).
 `overlap`: from the nsys trace, per range: each kernel's mean GPU time, and the mean gap from one kernel's end to the
 next one's start (negative: they overlap), so one sees whether the next call starts before the last one ends.
+`profile`: the replays of `replay`, each inside its own torch.profiler session (CUPTI records every kernel a graph
+runs), then the report of `overlap`: for a machine without nsys.
 CELLS: "B,Hq,Hkv,L;..." (default: five small cells where SDPA led the 12-07 H100 table).
 """
 
@@ -58,7 +61,9 @@ def kernels(spec: str) -> None:
             torch.cuda.nvtx.range_pop()
 
 
-def replay(spec: str) -> None:
+def _graphs(spec: str):
+    """(label, graph) per cell and implementation: a CUDA graph of CALLS calls over input sets rotated past the L2,
+    captured and replayed once."""
     import torch
 
     from benchmarks.decode import make_inputs
@@ -77,12 +82,46 @@ def replay(spec: str) -> None:
                     fns[i % len(fns)]()
             graph.replay()
             torch.cuda.synchronize()
-            torch.cuda.nvtx.range_push(f"{name} {cell.label}")
+            print(f"{name} {cell.label}: {len(sets)} input sets, {CALLS} calls a graph", flush=True)
+            yield f"{name} {cell.label}", graph
+
+
+def replay(spec: str) -> None:
+    import torch
+
+    for label, graph in _graphs(spec):
+        torch.cuda.nvtx.range_push(label)
+        for _ in range(REPLAYS):
+            graph.replay()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+
+
+def kernel_rows(events) -> list:
+    """[(start ns, end ns, name)] of the GPU kernels among a torch profiler's events (FunctionEvent-like: a device
+    type, a `time_range` in us, a name); memory copies and sets left out."""
+    rows = []
+    for e in events:
+        if getattr(e.device_type, "name", str(e.device_type)) != "CUDA":
+            continue
+        if e.name.lower().startswith(("memcpy", "memset")):
+            continue
+        rows.append((round(e.time_range.start * 1e3), round(e.time_range.end * 1e3), e.name))
+    return rows
+
+
+def profile(spec: str) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    by_range = {}
+    for label, graph in _graphs(spec):
+        with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(REPLAYS):
                 graph.replay()
             torch.cuda.synchronize()
-            torch.cuda.nvtx.range_pop()
-            print(f"{name} {cell.label}: {len(sets)} input sets, {CALLS} calls a graph", flush=True)
+        by_range[label] = kernel_rows(prof.events())
+    print("\n".join(overlap_report(by_range)))
 
 
 def overlap_report(rows_by_range: dict) -> list[str]:
@@ -123,7 +162,7 @@ def overlap(path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("kernels", "replay", "overlap"):
+    if not argv or argv[0] not in ("kernels", "replay", "overlap", "profile"):
         print(__doc__, file=sys.stderr)
         return 2
     if argv[0] == "overlap":
@@ -131,7 +170,7 @@ def main(argv: list[str]) -> int:
             raise SystemExit("overlap: give the nsys trace exported as sqlite")
         overlap(argv[1])
     else:
-        {"kernels": kernels, "replay": replay}[argv[0]](argv[1] if len(argv) > 1 else CELLS)
+        {"kernels": kernels, "replay": replay, "profile": profile}[argv[0]](argv[1] if len(argv) > 1 else CELLS)
     return 0
 
 

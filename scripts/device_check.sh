@@ -34,8 +34,9 @@
 #              gdn-fused, kda-fused, gdn-two-phase, gdn-step, kda-step, decode, decode-small)
 #   decode-anatomy  ours and torch SDPA kernel by kernel under ncu (scripts/decode_anatomy.py kernels; grid, GPU
 #              time, DRAM bytes per kernel of one call; $ANATOMY_CELLS)
-#   decode-overlap  the same cells replayed from CUDA graphs under nsys: each kernel's time and the gaps between
-#              consecutive kernels (does the next call start before this one ends?)
+#   decode-overlap  the same cells replayed from CUDA graphs under nsys (or torch's profiler where nsys is missing):
+#              each kernel's time and the gaps between consecutive kernels (does the next call start before this
+#              one ends?)
 #   peers-OP-GRID  ours against FLA, FlashInfer and FlashQLA (CUDA graphs; FlashQLA in its own process when
 #              scripts/peer_install.sh flashqla ran): benchmarks/results' {op}_peers_<device>_<date>.json
 set -uo pipefail
@@ -221,7 +222,11 @@ print(len(r.grid('full')), 'decode-step cells;', len(d.grid('full')), 'decode ce
       grep -E "^  [^ ]|<0,|gpu__time|grid_size|dram__bytes" "$out/decode_anatomy.log" | cut -c1-160 | head -120 ;;
     decode-overlap)
       nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
-      if [ -z "$nsys" ]; then echo "decode-overlap: nsys missing"; status=1; continue; fi
+      if [ -z "$nsys" ]; then   # no Nsight Systems here: torch's profiler records the graphs' kernels instead
+        echo "decode-overlap: nsys missing, torch.profiler instead"
+        TAIL=80 run decode_overlap.log $t python3 scripts/decode_anatomy.py profile ${ANATOMY_CELLS:-}
+        continue
+      fi
       rm -f /tmp/decode_overlap.*
       TAIL=5 run decode_overlap_trace.log $t "$nsys" profile --trace cuda,nvtx --cuda-graph-trace node \
         -o /tmp/decode_overlap python3 scripts/decode_anatomy.py replay ${ANATOMY_CELLS:-}

@@ -1,4 +1,5 @@
-"""scripts/decode_anatomy.py's overlap report from an nsys trace exported as sqlite (CPU)."""
+"""scripts/decode_anatomy.py's overlap report from an nsys trace exported as sqlite, and the kernels it takes from
+torch's profiler (CPU)."""
 
 import os
 import sqlite3
@@ -33,3 +34,23 @@ def test_overlap_gaps_per_range(tmp_path, capsys):
 
 def test_usage_without_a_mode():
     assert decode_anatomy.main([]) == 2
+
+
+class _Range:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+
+class _Event:
+    def __init__(self, device, name, start, end):
+        self.device_type = type("DeviceType", (), {"name": device})()
+        self.name, self.time_range = name, _Range(start, end)
+
+
+def test_kernel_rows_from_profiler_events():
+    events = [_Event("CPU", "cudaGraphLaunch", 0.0, 5.0), _Event("CUDA", "split_kernel", 1.25, 9.5),
+              _Event("CUDA", "Memset (Device)", 9.5, 9.6), _Event("CUDA", "lean_reduction", 9.0, 12.0)]
+    rows = decode_anatomy.kernel_rows(events)
+    assert rows == [(1250, 9500, "split_kernel"), (9000, 12000, "lean_reduction")]
+    out = decode_anatomy.overlap_report({"sdpa B=1": rows})
+    assert out[0] == "sdpa B=1: 2 kernels, span 10.8 us, mean gap -0.50 us, min gap -0.50 us"

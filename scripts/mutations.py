@@ -180,6 +180,13 @@ CPU_MUTANTS = [
            "gaps = [ks[i + 1][0] - ks[i][1] for i in range(len(ks) - 1)]",
            "gaps = [abs(ks[i + 1][0] - ks[i][1]) for i in range(len(ks) - 1)]",
            ("tests/test_decode_anatomy.py",)),
+    Mutant("profiler's memsets counted as kernels", "scripts/decode_anatomy.py kernel_rows",
+           "scripts/decode_anatomy.py", 'if e.name.lower().startswith(("memcpy", "memset")):',
+           'if e.name.lower().startswith(("memcpy",)):', ("tests/test_decode_anatomy.py",)),
+    Mutant("profiler's times taken as ns", "scripts/decode_anatomy.py kernel_rows", "scripts/decode_anatomy.py",
+           "rows.append((round(e.time_range.start * 1e3), round(e.time_range.end * 1e3), e.name))",
+           "rows.append((round(e.time_range.start), round(e.time_range.end), e.name))",
+           ("tests/test_decode_anatomy.py",)),
     # -- the planners' measured rules
     Mutant("decode split planned at two CTAs per SM", "split-KV default plan (schedulers.splitkv)",
            "schedulers/splitkv.py", "SPLIT_CTAS_PER_SM = 1", "SPLIT_CTAS_PER_SM = 2",

@@ -47,7 +47,9 @@ def run(rank, world, method, kda, port, queue):
     o, final = fn(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(), g[:, sl].contiguous(),
                   beta[:, sl].contiguous(), initial_state=s0 if rank == 0 else None, output_final_state=True,
                   method=method)
-    queue.put((rank, o, final))
+    # by value (numpy pickles its bytes): a torch tensor would go as a shared-memory handle that the parent can
+    # only open while this process is alive, and it may already have exited
+    queue.put((rank, o.numpy(), None if final is None else final.numpy()))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -61,7 +63,8 @@ def main():
     procs = [ctx.Process(target=run, args=(r, world, method, kda, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = dict((r, (o, f)) for r, o, f in (queue.get(timeout=300) for _ in range(world)))
+    results = {r: (torch.from_numpy(o), None if f is None else torch.from_numpy(f))
+               for r, o, f in (queue.get(timeout=300) for _ in range(world))}
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0, f"rank process exited with {p.exitcode}"

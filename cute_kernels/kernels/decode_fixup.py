@@ -2,12 +2,13 @@
 
 `tile_scheduler` is both decode kernels' work-tile source (the stream-K table, or an even split computed from the
 CTA index, optionally longest batch row first: `ranked_row`). `split_range`, `box_row` and `masked_score` are the
-work tile's tokens, a box's cache row and a score's mask (both decode kernels). `merge_unit` is the merge (the math of `reference.softmax_attention.lse_merge`). Inside the
-decode kernel, `is_last_split` picks the CTA that runs it: every split's CTA, once its partial is stored, passes
-a CTA barrier, and one thread fences (gpu-scope acq_rel) and adds 1 to its unit's counter; the one that sees
-num_splits - 1 is last, puts the counter back to 0 for the next call, fences again and, after a second barrier,
-the CTA merges. No CTA waits on another. `SplitKVFixup` runs the same merge as a launch of its own (one CTA per
-unit): on archs whose decode mainloop is not built, and to time against.
+work tile's tokens, a box's cache row and a score's mask (both decode kernels). `merge_unit` is the merge (the
+math of `reference.softmax_attention.lse_merge`). Inside the decode kernel, `is_last_split` picks the CTA that
+runs it: every split's CTA, once its partial is stored, passes a CTA barrier, and one thread fences (gpu-scope
+acq_rel) and adds 1 to its unit's counter; the one that sees num_splits - 1 is last, puts the counter back to 0
+for the next call, fences again and, after a second barrier, the CTA merges. No CTA waits on another.
+`SplitKVFixup` runs the same merge as a launch of its own (one CTA per unit): on archs whose decode mainloop is
+not built, and to time against.
 
 Outputs are viewed per unit (`unit_rows`): unit u = b * Hkv + kv_head, row r = i * group + g for query head
 kv_head * group + g of new token i -- the rows of one work tile.

@@ -195,7 +195,8 @@ class SplitKVDecodeSm100:
                 self.mma(sched, load, q_full, s_full, p_full, o_full, mma_s, mma_pv, sQ, sK, sV, sP, tS, tO, mLens,
                          num_kv_heads)
             else:
-                self.softmax(sched, q_full, s_full, p_full, o_full, tidx, sQ, sV, sP, tS, tO, sFlag, mQ, mLens, mO, mLse, mOp, mLp, mCount, num_kv_heads, scale, softcap)
+                self.softmax(sched, q_full, s_full, p_full, o_full, tidx, sQ, sV, sP, tS, tO, sFlag, mQ, mLens, mO,
+                             mLse, mOp, mLp, mCount, num_kv_heads, scale, softcap)
             # every TMEM read and MMA done (the softmax warps waited on the tile's last o_full) before the free
             tmem.relinquish_alloc_permit()
             pipeline.NamedBarrier(barrier_id=2, num_threads=softmax_threads + 32).arrive_and_wait()

@@ -31,7 +31,7 @@
 #   sm100      the first run on an SM100 machine: sm_100a (or sm_103a) builds, every GPU test, the sanitizers, the decode, GDN and
 #              KDA sweeps; on another GPU a dry run (builds, test collection, the sweeps' grids, the sanitizer's presence)
 #   profile-CASE  one kernel under ncu's source counters, warp stalls per line of its Python (scripts/profile_lines.py:
-#              gdn-fused, kda-fused, gdn-two-phase, gdn-step, kda-step, decode, decode-small)
+#              gdn-fused, kda-fused, gdn-two-phase, gdn-step, kda-step, decode, decode-small, decode-short)
 #   decode-anatomy  ours and torch SDPA kernel by kernel under ncu (scripts/decode_anatomy.py kernels; grid, GPU
 #              time, DRAM bytes per kernel of one call; $ANATOMY_CELLS)
 #   decode-overlap  the same cells replayed from CUDA graphs under nsys (or torch's profiler where nsys is missing):

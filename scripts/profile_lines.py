@@ -7,8 +7,9 @@ samples summed per line of the kernel's Python (CuTe DSL compiled with CUTE_DSL_
 
 Cases: gdn-fused / kda-fused (the fused forward at B=8 H=32 T=4096: 256 (sequence, head) tiles, about two waves),
 gdn-two-phase (phase 1), gdn-step / kda-step (the decode step, B=256 HV=32 Sq=8), decode (split-KV attention,
-B=4 Hq=32 Hkv=8, 8K tokens) and decode-small (B=1, 4K tokens: the small-batch fixed cost). `CASES[name][0]` is
-the regex of the kernel to profile.
+B=4 Hq=32 Hkv=8, 8K tokens), decode-small (B=1, 4K tokens: the small-batch fixed cost) and decode-short (B=16
+Hq=32 Hkv=4, 512 tokens: 64 short units, the cells furthest behind torch SDPA). `CASES[name][0]` is the regex of
+the kernel to profile.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ CASES = {
     "kda-step": ("regex:RecurrentStep", ("step", True, None)),
     "decode": ("regex:SplitKVDecode", ("decode", False, None)),
     "decode-small": ("regex:SplitKVDecode", ("decode", False, "small")),
+    "decode-short": ("regex:SplitKVDecode", ("decode", False, "short")),
 }
 
 
@@ -62,7 +64,7 @@ def run(name: str) -> None:
     else:
         from cute_kernels import decode_attention
 
-        B, Hq, Hkv, T = (1, 32, 8, 4096) if path == "small" else (4, 32, 8, 8192)
+        B, Hq, Hkv, T = {"small": (1, 32, 8, 4096), "short": (16, 32, 4, 512)}.get(path, (4, 32, 8, 8192))
         q = torch.randn(B, Hq, 128, device="cuda").bfloat16()
         kc, vc = (torch.randn(B, T, Hkv, 128, device="cuda").bfloat16() for _ in range(2))
         decode_attention(q, kc, vc, torch.full((B,), T, dtype=torch.int32, device="cuda"))

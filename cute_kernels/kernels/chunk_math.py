@@ -96,22 +96,43 @@ class ChunkMath:
         return x
 
     @cute.jit
-    def gate_rows(self, ctid, t, tok_end, head, mG, mBeta, gp, lower_bound):
-        """The gate rows of token t + ctid for the 64 threads that hold one (0 past the sequence end): (g, g of
-        the row 32 away (ctid ^ 32: the other warp's, for `gdn_gates`' scan), beta), FLA's gate arguments applied
-        (`gate_value`, `beta_value`); KDA's g values are 0 here (they go through `kda_g_prefetch`)."""
+    def gate_rows(self, ctid, t, tok_end, head, mG, mBeta):
+        """The raw gate rows of token t + ctid for the 64 threads that hold one, in their storage dtypes (0 past the
+        sequence end): (g, g of the row 32 away (ctid ^ 32: the other warp's, for `gdn_gates`' scan), beta); KDA's
+        g values are 0 here (they go through `kda_g_prefetch`). Loads only: `gate_values` converts them a chunk
+        later, so no warp waits on these loads before the barriers in between."""
         gv = Float32(0.0)
         gw = Float32(0.0)
-        bv = Float32(0.0)
+        if cutlass.const_expr(not self.kda):
+            gv = mG.element_type(0.0)
+            gw = mG.element_type(0.0)
+        bv = mBeta.element_type(0.0)
         if ctid < C:
             if t + ctid < tok_end:
                 if cutlass.const_expr(not self.kda):
-                    gv = self.gate_value(Float32(mG[t + ctid, head]), gp, lower_bound)
-                bv = self.beta_value(Float32(mBeta[t + ctid, head]))
+                    gv = mG[t + ctid, head]
+                bv = mBeta[t + ctid, head]
             if cutlass.const_expr(not self.kda):
                 if t + (ctid ^ 32) < tok_end:
-                    gw = self.gate_value(Float32(mG[t + (ctid ^ 32), head]), gp, lower_bound)
+                    gw = mG[t + (ctid ^ 32), head]
         return gv, gw, bv
+
+    @cute.jit
+    def gate_values(self, ctid, t, tok_end, gv, gw, bv, gp, lower_bound):
+        """`gate_rows`' raw values of the chunk at token t in fp32, FLA's gate arguments applied (`gate_value`,
+        `beta_value`; gp = `gate_params`), 0 past the sequence end."""
+        g_own = Float32(0.0)
+        g_other = Float32(0.0)
+        beta = Float32(0.0)
+        if ctid < C:
+            if t + ctid < tok_end:
+                if cutlass.const_expr(not self.kda):
+                    g_own = self.gate_value(Float32(gv), gp, lower_bound)
+                beta = self.beta_value(Float32(bv))
+            if cutlass.const_expr(not self.kda):
+                if t + (ctid ^ 32) < tok_end:
+                    g_other = self.gate_value(Float32(gw), gp, lower_bound)
+        return g_own, g_other, beta
 
     @cute.jit
     def gdn_gates(self, ctid, L, gv, gw, bv, sG, sEG, sEGL, sBeta):

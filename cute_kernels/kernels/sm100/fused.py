@@ -630,19 +630,20 @@ class ChunkedForwardSm100:
 
             mALog, mDtBias, lower_bound = gate_args
             gp = math.gate_params(mALog, mDtBias, head, tidx)
-            gv, gw, bv = math.gate_rows(tidx, tok0, tok_end, head, mG, mBeta, gp, lower_bound)
+            gv, gw, bv = math.gate_rows(tidx, tok0, tok_end, head, mG, mBeta)   # raw: converted at use
             for c in cutlass.range(n_chunks, unroll=1):
                 t0 = tok0 + c * C
                 L = math.rows_in(tok_end - t0)
+                g_own, g_other, beta = math.gate_values(tidx, t0, tok_end, gv, gw, bv, gp, lower_bound)
                 if cutlass.const_expr(kda):
                     if tidx == 0:
                         sFlag[slot ^ 1] = Int32(0)
                     if tidx < C:
-                        sBeta[tidx] = bv
+                        sBeta[tidx] = beta
                     self.kda_gate_scan(tidx, t0, L, head, mG, gp, lower_bound, gl, st, slot)
                 else:
-                    math.gdn_gates(tidx, L, gv, gw, bv, sG, sEG, sEGL, sBeta)
-                gv, gw, bv = math.gate_rows(tidx, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
+                    math.gdn_gates(tidx, L, g_own, g_other, beta, sG, sEG, sEGL, sBeta)
+                gv, gw, bv = math.gate_rows(tidx, t0 + C, tok_end, head, mG, mBeta)
                 if cutlass.const_expr(not kda):
                     bar()                                   # the gates visible to every compute thread
                 load.consumer_wait(l_state)                 # k, q, v in smem (the MMA warp releases the stage)

@@ -357,7 +357,7 @@ class ChunkPrepSm90:
             tok_end = work.tok_end
             mALog, mDtBias, lower_bound = gate_args
             gp = local.math.gate_params(mALog, mDtBias, head, ctid)   # FLA's gate arguments, applied as read
-            gv, gw, bv = local.math.gate_rows(ctid, tok0, tok_end, head, mG, mBeta, gp, lower_bound)
+            gv, gw, bv = local.math.gate_rows(ctid, tok0, tok_end, head, mG, mBeta)   # raw: converted at use
             if cutlass.const_expr(kda):
                 local.math.kda_g_prefetch_vec(ctid, tok0, local.math.rows_in(tok_end - tok0), head, mG, sGk)
 
@@ -365,13 +365,13 @@ class ChunkPrepSm90:
                 t0 = tok0 + c * C
                 L = local.math.rows_in(tok_end - t0)
                 # -- 0. gates (as the fused kernel: loaded one chunk ahead)
+                g_own, g_other, beta = local.math.gate_values(ctid, t0, tok_end, gv, gw, bv, gp, lower_bound)
                 if cutlass.const_expr(kda):
-                    local.math.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv, gp, lower_bound, sC=sC,
-                                    g_vec=True)
-                    _, _, bv = local.math.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
+                    local.math.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, beta, gp, lower_bound,
+                                         sC=sC, g_vec=True)
                 else:
-                    local.math.gdn_gates(ctid, L, gv, gw, bv, sG, sEG, sEGL, sBeta)
-                    gv, gw, bv = local.math.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
+                    local.math.gdn_gates(ctid, L, g_own, g_other, beta, sG, sEG, sEGL, sBeta)
+                gv, gw, bv = local.math.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
                 if cutlass.const_expr(self.tma_store):
                     if ctid == 0:
                         # the last chunk's TMA stores have read their staging tiles (the barrier below tells all)

@@ -252,7 +252,7 @@ class ChunkedForwardSm90:
             # cp.async into sGk). FLA's gate arguments apply as they are read (gp: this tile's parameters).
             mALog, mDtBias, lower_bound = gate_args
             gp = local.math.gate_params(mALog, mDtBias, head, ctid)
-            gv, gw, bv = local.math.gate_rows(ctid, tok0, tok_end, head, mG, mBeta, gp, lower_bound)
+            gv, gw, bv = local.math.gate_rows(ctid, tok0, tok_end, head, mG, mBeta)   # raw: converted at use
             if cutlass.const_expr(kda):
                 local.math.kda_g_prefetch(ctid, tok0, local.math.rows_in(tok_end - tok0), head, mG, sGk)
 
@@ -260,12 +260,12 @@ class ChunkedForwardSm90:
                 t0 = tok0 + c * C
                 L = local.math.rows_in(tok_end - t0)
                 # -- 0. gates of this chunk (fp32, log2 units), before waiting on the tile
+                g_own, g_other, beta = local.math.gate_values(ctid, t0, tok_end, gv, gw, bv, gp, lower_bound)
                 if cutlass.const_expr(kda):
-                    local.math.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, bv, gp, lower_bound)
-                    _, _, bv = local.math.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
+                    local.math.kda_gates(ctid, t0, L, head, mG, mBeta, sGk, sGL, sBeta, sFlag, beta, gp, lower_bound)
                 else:
-                    local.math.gdn_gates(ctid, L, gv, gw, bv, sG, sEG, sEGL, sBeta)
-                    gv, gw, bv = local.math.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta, gp, lower_bound)
+                    local.math.gdn_gates(ctid, L, g_own, g_other, beta, sG, sEG, sEGL, sBeta)
+                gv, gw, bv = local.math.gate_rows(ctid, t0 + C, tok_end, head, mG, mBeta)
 
                 load.consumer_wait(state)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)

@@ -752,7 +752,7 @@ def test_product_solve_operand_precision():
     chunks (one repeated key) and 5e-4 on random keys; truncated tf32 and bf16 operands are measurably worse (why
     a kernel would convert with cvt.rna.tf32.f32 and not use bf16). The form `solve_levels_mma` runs
     (`blocked_unit_lower_inverse(operand="tf32")`: X_10 = -(Y + X_11^strict Y), the unit diagonal in fp32) is at
-    least as accurate."""
+    least as accurate, and so is its fp16 form (`solve_levels_f16`: fp16 operands, also 10 mantissa bits)."""
     from cute_kernels.reference.blocked_solve import (blocked_unit_lower_inverse, product_unit_lower_inverse,
                                                       round_operand)
 
@@ -762,12 +762,12 @@ def test_product_solve_operand_precision():
     gen = _gen("product-solve", 0)
     worst = {}
     for correlated in (False, True):
-        errs = {op: [] for op in ("fp32", "tf32", "tf32-trunc", "bf16", "kernel-tf32")}
+        errs = {op: [] for op in ("fp32", "tf32", "tf32-trunc", "bf16", "kernel-tf32", "kernel-fp16")}
         for _ in range(20):
             A, kb = _chunk_akk(gen, correlated)
             w_want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + A) @ kb
             for op in errs:
-                X = (blocked_unit_lower_inverse(A.float(), operand="tf32") if op == "kernel-tf32"
+                X = (blocked_unit_lower_inverse(A.float(), operand=op[7:]) if op.startswith("kernel-")
                      else product_unit_lower_inverse(A, op))
                 w = X.double() @ kb
                 errs[op].append(((w - w_want).norm() / w_want.norm()).item())
@@ -776,6 +776,7 @@ def test_product_solve_operand_precision():
         assert worst[correlated]["fp32"] <= 1e-6
         assert worst[correlated]["tf32"] <= (2.5e-3 if correlated else 5e-4), worst
         assert worst[correlated]["kernel-tf32"] <= 1.05 * worst[correlated]["tf32"], worst
+        assert worst[correlated]["kernel-fp16"] <= 1.05 * worst[correlated]["tf32"], worst
         assert mean["tf32-trunc"] > 1.5 * mean["tf32"] and mean["bf16"] > 4 * mean["tf32"], mean
     assert worst[True]["bf16"] > 5e-3, worst   # too coarse where the chunk's keys repeat
 

@@ -15,7 +15,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_kernels.reference.kda_intra import ANCHOR_LIMIT_LOG2
@@ -38,11 +38,13 @@ class ChunkMath:
     `solve_mma` (the solve's doubling levels on tf32 mma.sync, else CUDA cores), `gate` (`GateForm`: how g and
     beta are read). Spec: `cute_kernels.reference` (blocked_solve.py for the solve)."""
 
-    def __init__(self, io_dtype, kda: bool, solve_mma: bool = False, gate: GateForm = GateForm()):
+    def __init__(self, io_dtype, kda: bool, solve_mma: bool = False, gate: GateForm = GateForm(),
+                 levels_f16: bool = False):
         self.io_dtype = io_dtype
         self.kda = kda
         self.solve_mma = solve_mma
         self.gate = gate
+        self.levels_f16 = levels_f16
 
     # compile-time state only: nothing to carry through the kernels' dynamic loops
     def __extract_mlir_values__(self):
@@ -279,7 +281,9 @@ class ChunkMath:
                 if r > c:
                     sAkk[base + c, base + r] = x[r]
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        if cutlass.const_expr(self.solve_mma):
+        if cutlass.const_expr(self.levels_f16):
+            self.solve_levels_f16(ctid, sAkk, sY)
+        elif cutlass.const_expr(self.solve_mma):
             self.solve_levels_mma(ctid, sAkk, sY)
         else:
             self.solve_levels(ctid, sAkk, sY)
@@ -425,6 +429,78 @@ class ChunkMath:
                     i = 16 * mt + r
                     n = 8 * nt + c
                     sAkk[b0 + n, b1 + i] = -(sY[y_off + i * Y_STRIDE + n] + z[e])
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
+    @cute.jit
+    def solve_levels_f16(self, ctid, sAkk, sY):
+        """`solve_blocked`'s doubling levels h = 16, 32 as fp16 mma.sync (m16n8k16, fp32 accumulation) on warps 0-3,
+        each warp an 8-column strip of X_10, whose two products need no other warp: Y = A_10 X_00 (kept in fp32;
+        its fp16 copy goes through the warp's own 32 x 8 slice of sY as the second product's B operand), then
+        X_10 = -(Y + X_11^strict Y), X_11's unit diagonal applied in fp32. One CTA barrier a level. Spec:
+        `reference/blocked_solve.py: blocked_unit_lower_inverse(operand="fp16")`."""
+        warp_i = ctid // 32
+        lane = ctid % 32
+        mma = cute.make_tiled_mma(warp.MmaF16BF16Op(Float16, Float32, (16, 8, 16)))
+        thr = mma.get_slice(lane)
+        cc = thr.partition_C(cute.make_identity_tensor((16, 8)))   # (row, column) of each accumulator element
+        sYh = cute.make_tensor(cute.recast_ptr(sY.iterator + warp_i * 128, dtype=Float16),
+                               cute.make_layout((32, 8), stride=(8, 1)))
+        for lvl in cutlass.range_constexpr(2):
+            h = 16 * (lvl + 1)
+            if warp_i < 4:
+                # level 16: block pair warp_i // 2 (b0 = 0, 32), strip warp_i % 2; level 32: strip warp_i
+                b0 = (warp_i // 2) * 32 if lvl == 0 else 0
+                nt = warp_i % 2 if lvl == 0 else warp_i
+                b1 = b0 + h
+                ys = []
+                for mt in cutlass.range_constexpr(h // 16):
+                    # Y rows 16 mt..: A (i, s) = A[b1 + 16 mt + i, b0 + s]; B (n, s) = X_00[s, 8 nt + n], stored at
+                    # [b0 + 8 nt + n, b0 + s] for s > 8 nt + n
+                    rA = cute.make_rmem_tensor(thr.partition_shape_A((16, h)), Float16)
+                    cA = thr.partition_A(cute.make_identity_tensor((16, h)))
+                    for e in cutlass.range_constexpr(cute.size(rA)):
+                        i, k = cA[e]
+                        rA[e] = Float16(sAkk[b1 + 16 * mt + i, b0 + k])
+                    rB = cute.make_rmem_tensor(thr.partition_shape_B((8, h)), Float16)
+                    cB = thr.partition_B(cute.make_identity_tensor((8, h)))
+                    for e in cutlass.range_constexpr(cute.size(rB)):
+                        n, k = cB[e]
+                        c = 8 * nt + n
+                        v = sAkk[b0 + c, b0 + k]
+                        v = cutlass.select_(k < c, Float32(0.0), v)
+                        v = cutlass.select_(k == c, Float32(1.0), v)
+                        rB[e] = Float16(v)
+                    y = cute.make_rmem_tensor(thr.partition_shape_C((16, 8)), Float32)
+                    y.fill(0.0)
+                    cute.gemm(mma, y, rA, rB, y)
+                    for e in cutlass.range_constexpr(cute.size(y)):
+                        r, c = cc[e]
+                        sYh[16 * mt + r, c] = Float16(y[e])
+                    ys.append(y)
+                cute.arch.sync_warp()
+                for mt in cutlass.range_constexpr(h // 16):
+                    # Z rows 16 mt..: A (i, s) = X_11[16 mt + i, s] (i > s) at [b1 + s, b1 + 16 mt + i]; B (n, s) =
+                    # Y[s, n]; X_11 is lower triangular, so only s < 16 (mt + 1) counts
+                    kz = 16 * (mt + 1)
+                    rA = cute.make_rmem_tensor(thr.partition_shape_A((16, kz)), Float16)
+                    cA = thr.partition_A(cute.make_identity_tensor((16, kz)))
+                    for e in cutlass.range_constexpr(cute.size(rA)):
+                        i, k = cA[e]
+                        v = sAkk[b1 + k, b1 + 16 * mt + i]
+                        rA[e] = Float16(cutlass.select_(16 * mt + i > k, v, Float32(0.0)))
+                    rB = cute.make_rmem_tensor(thr.partition_shape_B((8, kz)), Float16)
+                    cB = thr.partition_B(cute.make_identity_tensor((8, kz)))
+                    for e in cutlass.range_constexpr(cute.size(rB)):
+                        n, k = cB[e]
+                        rB[e] = sYh[k, n]
+                    z = cute.make_rmem_tensor(thr.partition_shape_C((16, 8)), Float32)
+                    z.fill(0.0)
+                    cute.gemm(mma, z, rA, rB, z)
+                    y = ys[mt]
+                    for e in cutlass.range_constexpr(cute.size(z)):
+                        r, c = cc[e]
+                        sAkk[b0 + 8 * nt + c, b1 + 16 * mt + r] = -(y[e] + z[e])
+                cute.arch.sync_warp()   # the staging slice is rewritten at the next level
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
     @cute.jit

@@ -11,7 +11,8 @@ into the (unused) upper part, so A stays readable while X is built. X has a unit
   added as (p0 + p1) + (p2 + p3).
 `blocked_unit_lower_inverse` follows those steps on a torch buffer (vectorized over the threads of a step); with
 `operand="tf32"` it is the kernels' tensor-core levels (`solve_levels_mma`: tf32 operands rounded to nearest, the
-unit diagonal of X_11 in fp32, warp-level mma.sync since CuTe DSL has no tf32 wgmma op).
+unit diagonal of X_11 in fp32, warp-level mma.sync since CuTe DSL has no tf32 wgmma op), with `operand="fp16"`
+`solve_levels_f16` (fp16 operands, Y rounded to fp16 only as the second product's operand).
 `product_unit_lower_inverse` and `series_block_inverse` are alternative tensor-core forms, for accuracy tests.
 """
 
@@ -74,17 +75,20 @@ def _x_block(buf, b0, h):
 
 def round_operand(x: torch.Tensor, operand: str) -> torch.Tensor:
     """x (fp32) as a tensor-core input of type `operand`, back in fp32: "fp32" (unchanged), "tf32" (10 mantissa
-    bits, round to nearest, ties away: cvt.rna.tf32.f32), "tf32-trunc" (the low 13 bits dropped), "bf16"."""
+    bits, round to nearest, ties away: cvt.rna.tf32.f32), "tf32-trunc" (the low 13 bits dropped), "bf16", "fp16"
+    (round to nearest even: cvt.rn.f16.f32)."""
     x = x.float()
     if operand == "fp32":
         return x
     if operand == "bf16":
         return x.bfloat16().float()
+    if operand == "fp16":
+        return x.half().float()
     bits = x.contiguous().view(torch.int32)
     if operand == "tf32":
         bits = bits + 0x1000   # half an ulp of the 10-bit mantissa: ties round away from zero
     elif operand != "tf32-trunc":
-        raise ValueError(f"operand must be fp32, tf32, tf32-trunc or bf16, got {operand!r}")
+        raise ValueError(f"operand must be fp32, tf32, tf32-trunc, bf16 or fp16, got {operand!r}")
     return (bits & ~0x1FFF).view(torch.float32)
 
 

@@ -36,7 +36,7 @@ class ChunkLocalSm90:
         self.kda = kda
         self.outputs = outputs
         self.solve_mma = solve_mma
-        self.math = ChunkMath(io_dtype, kda, solve_mma, gate)
+        self.math = ChunkMath(io_dtype, kda, solve_mma, gate, levels_f16=True)
 
     # compile-time state only: nothing to carry through the kernels' dynamic loops
     def __extract_mlir_values__(self):

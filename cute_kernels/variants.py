@@ -161,7 +161,8 @@ def _variants() -> list[Variant]:
         name = (f"decode_g{cfg.group}_q{cfg.q_len}_{_dtype_tag(io)}" + ("_paged" if cfg.paged else "")
                 + ("_softcap" if cfg.softcap else "") + ("_stream_k" if cfg.persistent else "")
                 + ("_longest_first" if cfg.longest_first else ""))
-        need = ("wgmma.mma_async.sync.aligned.m64n16k16", "wgmma.mma_async.sync.aligned.m64n128k16", TMA_LOAD,
+        s_product = "m64n16k16" if cfg.paged else "m64n64k16"   # S per 16-token box (paged) or 64-token block
+        need = (f"wgmma.mma_async.sync.aligned.{s_product}", "wgmma.mma_async.sync.aligned.m64n128k16", TMA_LOAD,
                 "shfl.sync.bfly", "ex2.approx") + fixup + (("tanh.approx",) if cfg.softcap else ())
         out.append(Variant("decode_attention", name, lambda d, c=cfg, io=io: build_decode(c, io, dump_dir=d), need,
                            SM90))

@@ -336,6 +336,8 @@ GPU_MUTANTS = [
            "self.load_block(load, state, tma_k, mK, tma_v, mV, sK, sV, work.chunk_start * C, b0,",
            "self.load_block(load, state, tma_k, mK, tma_v, mV, sK, sV, work.chunk_start * C + C, b0,", G_DECODE,
            True),
+    Mutant("the first V row past the cache length left as loaded", "decode consumer (sm90.decode)", DECODE_SM90,
+           "if k * self.box + r >= valid:", "if k * self.box + r > valid:", G_DECODE_NAN, True),
     Mutant("V rows past the cache length left as loaded", "decode consumer (sm90.decode)", DECODE_SM90,
            "if t0 + C > length:", "if t0 + C > length + (1 << 30):", G_DECODE_NAN, True),
     # -- GVA in the chunked forward

@@ -18,7 +18,7 @@ from ..decode_fixup import box_row, is_last_split, masked_score, merge_unit, spl
 from . import wgmma_tiles as wt
 
 C = 64        # KV tokens per block: one ring stage
-BOX = 16      # tokens per TMA box: pages are multiples of 16 tokens, so a box never straddles two
+PAGED_BOX = 16   # tokens per TMA box of a paged cache: pages are multiples of 16 tokens, so a box never straddles two
 ROWS = DECODE_ROWS
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -31,18 +31,19 @@ class SplitKVDecodeSm90:
     true lengths to find the row of the CTA's tile (`decode_fixup.ranked_row`; barrier 0 after).
     - warps 0-3, the consumer warpgroup: the unit's query rows (row r = i * group + g: query head kv_head * group
       + g of new token i; rows past group x q_len are zero) into shared memory; per KV block S = Q K^T (four
-      64 x 16 x D wgmmas, one per 16-token box; in the block holding the cache's last token, V's rows past it
+      64 x box x D wgmmas, one per box; in the block holding the cache's last token, V's rows past it
       zeroed first: their P is 0, but a stale or never-written row may hold NaN), the masks (the split's end,
       the cache length, causal new tokens), softcap, the online softmax in registers (log2 units; a row's values
-      sit in the 4 lanes of a quad), O += P V (four 64 x D x 16 RS wgmmas, P from registers). At the tile's
+      sit in the 4 lanes of a quad), O += P V (64 x D x box RS wgmmas, P from registers). At the tile's
       end: a unit with one split stores o and lse; otherwise o (normalized, in the io dtype) and lse (fp32) go
       to the split's slot and the last split to finish merges the unit (`decode_fixup.is_last_split`,
       `merge_unit`).
-    - warp 4, the producer: per block, K and V as four 16-token TMA boxes each into the next stage. A box's
+    - warp 4, the producer: per block, K and V as TMA boxes into the next stage: one 64-token box each for a
+      contiguous cache, four 16-token boxes for a paged one. A box's
       cache row is page * page_size + t % page_size, page = page_table[b, t // page_size] (paged) or b (a
       contiguous [B, Tmax] cache: page_size = Tmax); boxes past the cache length re-read the last one (masked).
-    Pipeline: `PipelineTmaAsync`, `stages` stages of K and V blocks (64 x D each, as four 16-row swizzled boxes:
-    the S products read one box each as their B operand, the P V products one box each as their K block).
+    Pipeline: `PipelineTmaAsync`, `stages` stages of K and V blocks (64 x D each, as swizzled boxes: the S products
+    read one box each as their B operand, the P V products one box each as their K block).
     Named barrier 1: the consumer warpgroup.
     """
 
@@ -56,6 +57,9 @@ class SplitKVDecodeSm90:
         self.num_stages = config.stages
         self.num_threads = 160
         self.tma_bytes = 2 * C * config.head_dim * io_dtype.width // 8
+        # a contiguous cache's block is one box: one S product of N = 64 and a quarter of the TMA instructions
+        self.box = PAGED_BOX if config.paged else C
+        self.boxes = C // self.box
         # an even split of a contiguous cache loads its first block before it reads the cache length
         self.first_block_ahead = not config.persistent and not config.paged
 
@@ -79,10 +83,10 @@ class SplitKVDecodeSm90:
         io, D, ns = self.io_dtype, self.head_dim, self.num_stages
         k_rows = wt.thd(wt.flat(k_cache))    # (row, D, Hkv): row = page * page_size + slot
         v_rows = wt.thd(wt.flat(v_cache))
-        box = wt.first_stage(wt.smem_layout(BOX, D, io))
+        box = wt.first_stage(wt.smem_layout(self.box, D, io))
         op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_k, tma_k_t = cpasync.make_tiled_tma_atom(op, k_rows, box, (BOX, D))
-        tma_v, tma_v_t = cpasync.make_tiled_tma_atom(op, v_rows, box, (BOX, D))
+        tma_k, tma_k_t = cpasync.make_tiled_tma_atom(op, k_rows, box, (self.box, D))
+        tma_v, tma_v_t = cpasync.make_tiled_tma_atom(op, v_rows, box, (self.box, D))
 
         @cute.struct
         class SharedStorage:
@@ -127,14 +131,14 @@ class SplitKVDecodeSm90:
         cute.arch.griddepcontrol_launch_dependents()
         sched = tile_scheduler(self.config, tidx, self.num_threads, mTiles, num_tiles, splits, unit_blocks, mLens,
                                num_kv_heads, sFlag)
+        sK = wt.smem_view(st.sK, io, self.box, D, ns * self.boxes)
+        sV = wt.smem_view(st.sV, io, self.box, D, ns * self.boxes)
         if warp_idx == 4:
-            self.producer(sched, load, tma_k, mK, tma_v, mV, wt.smem_view(st.sK, io, BOX, D, ns * 4),
-                          wt.smem_view(st.sV, io, BOX, D, ns * 4), mLens, mPages, page_size, num_kv_heads)
+            self.producer(sched, load, tma_k, mK, tma_v, mV, sK, sV, mLens, mPages, page_size, num_kv_heads)
         else:
-            self.consumer(sched, load, tidx, wt.smem_view(st.sQ, io, ROWS, D),
-                          wt.smem_view(st.sK, io, BOX, D, ns * 4), wt.smem_view(st.sV, io, BOX, D, ns * 4),
-                          wt.smem_view(st.sV, io, BOX, D, ns * 4, True), sFlag, mQ, mLens, mO, mLse, mOp, mLp, mCount,
-                          num_kv_heads, scale, softcap)
+            self.consumer(sched, load, tidx, wt.smem_view(st.sQ, io, ROWS, D), sK, sV,
+                          wt.smem_view(st.sV, io, self.box, D, ns * self.boxes, True), sFlag, mQ, mLens, mO, mLse, mOp,
+                          mLp, mCount, num_kv_heads, scale, softcap)
 
     @cute.jit
     def producer(self, sched, load, tma_k, mK, tma_v, mV, sK, sV, mLens, mPages, page_size, num_kv_heads):
@@ -166,14 +170,14 @@ class SplitKVDecodeSm90:
         """K and V of the 64-token block at token t0 of batch row b into the stage of `state`, box by box."""
         load.producer_acquire(state)
         bar = load.producer_get_barrier(state)
-        for k in cutlass.range_constexpr(C // BOX):
-            row = box_row(t0 + k * BOX, b, length, mPages, page_size, self.config.paged, BOX)
+        for k in cutlass.range_constexpr(self.boxes):
+            row = box_row(t0 + k * self.box, b, length, mPages, page_size, self.config.paged, self.box)
             for tma, m, s in ((tma_k, mK, sK), (tma_v, mV, sV)):
                 g_box = cute.local_tile(cute.domain_offset((row, 0), m[None, None, kv_head]),
-                                        (BOX, self.head_dim), (0, 0))
+                                        (self.box, self.head_dim), (0, 0))
                 s_part, g_part = cpasync.tma_partition(
                     tma, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g_box, 0, 2))
-                cute.copy(tma, g_part, s_part[(None, state.index * (C // BOX) + k)], tma_bar_ptr=bar)
+                cute.copy(tma, g_part, s_part[(None, state.index * self.boxes + k)], tma_bar_ptr=bar)
 
     def row_copy(self, wtid):
         """(tiled copy, thread wtid's slice) of 16-byte row pieces over the consumer warpgroup: the q rows' stores
@@ -207,9 +211,9 @@ class SplitKVDecodeSm90:
         """The attention of every tile (see the class docstring). Accumulator values: index i of a 64 x n wgmma
         fragment is row half (i // 2) % 2 of the thread's two rows (r, r + 8)."""
         io, D = self.io_dtype, self.head_dim
-        thr_s = wt.make_mma(io, False, False, BOX).get_slice(wtid)
+        thr_s = wt.make_mma(io, False, False, self.box).get_slice(wtid)
         thr_o = wt.make_mma_rs(io, True, D).get_slice(wtid)
-        cc_s = thr_s.partition_C(cute.make_identity_tensor((ROWS, BOX)))
+        cc_s = thr_s.partition_C(cute.make_identity_tensor((ROWS, self.box)))
         cc_o = thr_o.partition_C(cute.make_identity_tensor((ROWS, D)))
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, D)), Float32)
         row_max = cute.make_rmem_tensor((2,), Float32)
@@ -246,16 +250,17 @@ class SplitKVDecodeSm90:
                      length, scale, softcap):
         """One 64-token block at token t0 (the stage of `state`): S = Q K^T, the online softmax, O += P V."""
         io, D = self.io_dtype, self.head_dim
-        box0 = state.index * (C // BOX)
+        box0 = state.index * self.boxes
         if t0 + C > length:   # the cache's last block: rows past its length may hold NaN
             self.zero_rows_past(wtid, sV, box0, length - t0)
-        acc_s = [cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, BOX)), Float32) for _ in range(C // BOX)]
-        for k in cutlass.range_constexpr(C // BOX):
-            wt.gemm(io, wtid, acc_s[k], sQ[None, None, 0], sK[None, None, box0 + k], False, False, False, BOX,
+        acc_s = [cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, self.box)), Float32)
+                 for _ in range(self.boxes)]
+        for k in cutlass.range_constexpr(self.boxes):
+            wt.gemm(io, wtid, acc_s[k], sQ[None, None, 0], sK[None, None, box0 + k], False, False, False, self.box,
                     wait=False)
         warpgroup.wait_group(0)
         self.online_softmax(acc_s, cc_s, acc_o, row_max, row_sum, t0, kv_end, length, scale, softcap)
-        for k in cutlass.range_constexpr(C // BOX):
+        for k in cutlass.range_constexpr(self.boxes):
             wt.gemm_rs(io, wtid, acc_o, wt.acc_to_a(io, acc_s[k]), sV_mn[None, None, box0 + k], True, True, D,
                        wait=False)
         warpgroup.wait_group(0)
@@ -265,14 +270,14 @@ class SplitKVDecodeSm90:
         """Zero the V rows at or past position `valid` of the stage whose boxes start at `box0`: they lie past the
         cache length (a box re-read, a stale or never-written cache row), their P is 0, but 0 x NaN would be NaN."""
         tiled, thr = self.row_copy(wtid)
-        crd = thr.partition_D(cute.make_identity_tensor((BOX, self.head_dim)))
+        crd = thr.partition_D(cute.make_identity_tensor((self.box, self.head_dim)))
         zeros = cute.make_rmem_tensor_like(thr.partition_D(sV[None, None, 0])[None, 0, None])
         zeros.fill(0.0)
-        for k in cutlass.range_constexpr(C // BOX):
+        for k in cutlass.range_constexpr(self.boxes):
             tV = thr.partition_D(sV[None, None, box0 + k])
             for m in cutlass.range_constexpr(cute.size(tV, mode=[1])):
                 r, _ = crd[0, m, 0]
-                if k * BOX + r >= valid:
+                if k * self.box + r >= valid:
                     cute.copy(tiled, zeros, tV[None, m, None])
         cute.arch.fence_proxy("async.shared", space="cta")   # the zeros, before the wgmmas read sV
         cute.arch.barrier(barrier_id=1, number_of_threads=128)
@@ -283,10 +288,10 @@ class SplitKVDecodeSm90:
         thread's partial row sums updated, O rescaled."""
         block_max = cute.make_rmem_tensor((2,), Float32)
         block_max.fill(-Float32.inf)
-        for k in cutlass.range_constexpr(C // BOX):
+        for k in cutlass.range_constexpr(self.boxes):
             for i in cutlass.range_constexpr(cute.size(acc_s[k])):
                 r, col = cc_s[i]
-                x = masked_score(acc_s[k][i], t0 + k * BOX + col, kv_end, length, r, scale, softcap, self.config,
+                x = masked_score(acc_s[k][i], t0 + k * self.box + col, kv_end, length, r, scale, softcap, self.config,
                                  LOG2E)
                 acc_s[k][i] = x
                 h = (i // 2) % 2
@@ -304,7 +309,7 @@ class SplitKVDecodeSm90:
             row_sum[h] = row_sum[h] * corr[h]
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[i] = acc_o[i] * corr[(i // 2) % 2]
-        for k in cutlass.range_constexpr(C // BOX):
+        for k in cutlass.range_constexpr(self.boxes):
             for i in cutlass.range_constexpr(cute.size(acc_s[k])):
                 h = (i // 2) % 2
                 p = cute.math.exp2(acc_s[k][i] - base[h], fastmath=True)

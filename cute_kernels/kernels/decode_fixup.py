@@ -72,16 +72,18 @@ def tile_scheduler(config, tidx, num_threads: int, mTiles, num_tiles, splits, un
 
 
 @cute.jit
-def split_range(work, num_kv_heads, mLens, chunk: int, block: int):
+def split_range(work, num_kv_heads, mLens, chunk: int, block: int, length=None):
     """(unit's batch row, KV head, first token, end token, blocks, length) of a decode work tile: its chunks
     [chunk_start, chunk_end) of `chunk` tokens clipped to the cache length read on the device (the plan only knew
-    an upper bound), in blocks of `block` tokens."""
+    an upper bound), in blocks of `block` tokens. `length`: the row's cache length when the caller loaded it
+    earlier, else it is read here."""
     unit = work.seq
     b = unit // num_kv_heads
     kv_head = unit - b * num_kv_heads
     kv0 = work.chunk_start * chunk
     kv_end = work.chunk_end * chunk
-    length = mLens[b]
+    if cutlass.const_expr(length is None):
+        length = mLens[b]
     if kv_end > length:
         kv_end = length
     blocks = Int32(0)

@@ -218,13 +218,15 @@ class SplitKVDecodeSm90:
         work = sched.initial_work()
         while work.is_valid:
             if work.seg_slot >= 0:
-                # q first: its loads need only the unit, so they are in flight with the cache length's
+                # the cache length and q need only the unit: both loads in flight at once, neither after the
+                # other's round trip
                 b0 = work.seq // num_kv_heads
+                row_length = mLens[b0]
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)   # the last tile's products read sQ
                 self.load_q(wtid, mQ, b0, work.seq - b0 * num_kv_heads, sQ)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
-                b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, C, C)
+                b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, C, C, row_length)
                 row_max.fill(-Float32.inf)
                 row_sum.fill(0.0)
                 acc_o.fill(0.0)

@@ -153,7 +153,7 @@ def _variants() -> list[Variant]:
                                                                dump_dir=d), (WGMMA, TMA_LOAD), SM90))
     # split-KV decode: the GQA groups of the benchmark grid, new tokens, paged, softcap, stream-K; the fixup's
     # own launch on every arch
-    fixup = ("fence.acq_rel.gpu", "atom.global.add")
+    fixup = ("atom.global.acq_rel.add",)   # release before the count, acquire after (PTX's default scope: gpu)
     for cfg, io in [(DecodeConfig(group=8), bf), (DecodeConfig(group=4), bf), (DecodeConfig(group=1), f16),
                     (DecodeConfig(group=8, q_len=4), bf), (DecodeConfig(group=8, paged=True), bf),
                     (DecodeConfig(group=8, softcap=True), bf), (DecodeConfig(group=4, persistent=True), bf),

@@ -4,9 +4,9 @@
 CTA index, optionally longest batch row first: `ranked_row`). `split_range`, `box_row` and `masked_score` are the
 work tile's tokens, a box's cache row and a score's mask (both decode kernels). `merge_unit` is the merge (the
 math of `reference.softmax_attention.lse_merge`). Inside the decode kernel, `is_last_split` picks the CTA that
-runs it: every split's CTA, once its partial is stored, passes a CTA barrier, and one thread fences (gpu-scope
-acq_rel) and adds 1 to its unit's counter; the one that sees num_splits - 1 is last, puts the counter back to 0
-for the next call, fences again and, after a second barrier, the CTA merges. No CTA waits on another.
+runs it: every split's CTA, once its partial is stored, passes a CTA barrier, and one thread adds 1 to its unit's
+counter with a gpu-scope acq_rel atomic; the one that sees num_splits - 1 is last, puts the counter back to 0 for
+the next call and, after a second barrier, the CTA merges. No CTA waits on another.
 `SplitKVFixup` runs the same merge as a launch of its own (one CTA per unit): on archs whose decode mainloop is
 not built, and to time against.
 
@@ -72,16 +72,18 @@ def tile_scheduler(config, tidx, num_threads: int, mTiles, num_tiles, splits, un
 
 
 @cute.jit
-def split_range(work, num_kv_heads, mLens, chunk: int, block: int):
+def split_range(work, num_kv_heads, mLens, chunk: int, block: int, length=None):
     """(unit's batch row, KV head, first token, end token, blocks, length) of a decode work tile: its chunks
     [chunk_start, chunk_end) of `chunk` tokens clipped to the cache length read on the device (the plan only knew
-    an upper bound), in blocks of `block` tokens."""
+    an upper bound), in blocks of `block` tokens. `length`: the row's cache length when the caller loaded it
+    earlier, else it is read here."""
     unit = work.seq
     b = unit // num_kv_heads
     kv_head = unit - b * num_kv_heads
     kv0 = work.chunk_start * chunk
     kv_end = work.chunk_end * chunk
-    length = mLens[b]
+    if cutlass.const_expr(length is None):
+        length = mLens[b]
     if kv_end > length:
         kv_end = length
     blocks = Int32(0)
@@ -178,18 +180,17 @@ def merge_unit(tid, o_part, lse_part, slot0, nsplit, rows, mO, mLse, unit, out_d
 @cute.jit
 def is_last_split(tid, mCounters, unit, nsplit, sFlag, barrier_id: int):
     """Whether this CTA finished the unit's last split (see the module docstring). All THREADS threads call it
-    after storing their part of the partial; named barrier `barrier_id` spans them. One thread releases and
-    acquires at gpu scope; the CTA barriers order every other thread's stores before it and its reads after
-    (the grid-sync pattern: a barrier, then one thread's fence and atomic)."""
+    after storing their part of the partial; named barrier `barrier_id` spans them. One thread's acq_rel atomic
+    at gpu scope releases the CTA's partial before its count and acquires the other splits' partials after the
+    count that saw them; the CTA barriers order every other thread's stores before it and its reads after (the
+    split-K semaphore pattern: a barrier, then one thread's ordered atomic)."""
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS)   # every thread's partial stored
     if tid == 0:
-        cute.arch.fence_acq_rel_gpu()   # release: the CTA's partial, before the count
-        old = cute.arch.atomic_add(mCounters.iterator + unit, Int32(1), sem="relaxed", scope="gpu")
+        old = cute.arch.atomic_add(mCounters.iterator + unit, Int32(1), sem="acq_rel", scope="gpu")
         last = Int32(0)
         if old == nsplit - 1:
             last = Int32(1)
             mCounters[unit] = Int32(0)   # every split of this call has counted: ready for the next call
-        cute.arch.fence_acq_rel_gpu()   # acquire: the other splits' partials, after the count that saw them
         sFlag[0] = last
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS)
     return sFlag[0] != 0

@@ -60,8 +60,8 @@ class SplitKVDecodeSm90:
         # a contiguous cache's block is one box: one S product of N = 64 and a quarter of the TMA instructions
         self.box = PAGED_BOX if config.paged else C
         self.boxes = C // self.box
-        # an even split of a contiguous cache loads its first block before it reads the cache length
-        self.first_block_ahead = not config.persistent and not config.paged
+        # an even split of a contiguous cache loads its first blocks (a ring's worth) before it reads the length
+        self.blocks_ahead = not config.persistent and not config.paged
 
     @cute.jit
     def __call__(
@@ -143,20 +143,22 @@ class SplitKVDecodeSm90:
     @cute.jit
     def producer(self, sched, load, tma_k, mK, tma_v, mV, sK, sV, mLens, mPages, page_size, num_kv_heads):
         """The load warp: every block of every (non-padding) tile, K and V box by box (see the class docstring).
-        An even split of a contiguous cache (`first_block_ahead`) issues its first block before it reads the
-        cache length: the block's rows stay in its batch row's cache (boxes clipped to the capacity), and rows
-        past the length are masked or zeroed as usual."""
+        An even split of a contiguous cache (`blocks_ahead`) issues its first blocks, as many as the ring holds,
+        before it reads the cache length: their rows stay in the batch row's cache (boxes clipped to the
+        capacity), rows past the length are masked or zeroed as usual, and a block wholly past it is waited for and
+        released unread."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         work = sched.initial_work()
         while work.is_valid:
             if work.seg_slot >= 0:
                 first = 0
-                if cutlass.const_expr(self.first_block_ahead):
+                if cutlass.const_expr(self.blocks_ahead):
                     b0 = work.seq // num_kv_heads
-                    self.load_block(load, state, tma_k, mK, tma_v, mV, sK, sV, work.chunk_start * C, b0,
-                                    work.seq - b0 * num_kv_heads, page_size, mPages, page_size)
-                    state.advance()
-                    first = 1
+                    first = self.ahead(work)
+                    for j in cutlass.range(first, unroll=1):
+                        self.load_block(load, state, tma_k, mK, tma_v, mV, sK, sV, (work.chunk_start + j) * C, b0,
+                                        work.seq - b0 * num_kv_heads, page_size, mPages, page_size)
+                        state.advance()
                 b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, C, C)
                 for j in cutlass.range(first, blocks, unroll=1):
                     self.load_block(load, state, tma_k, mK, tma_v, mV, sK, sV, kv0 + j * C, b, kv_head, length,
@@ -164,6 +166,10 @@ class SplitKVDecodeSm90:
                     state.advance()
             work = sched.advance(work)
         load.producer_tail(state)
+
+    def ahead(self, work):
+        """The blocks an even split loads before the cache length is known: its planned blocks, at most a ring."""
+        return cutlass.min(work.chunk_end - work.chunk_start, self.num_stages)
 
     @cute.jit
     def load_block(self, load, state, tma_k, mK, tma_v, mV, sK, sV, t0, b, kv_head, length, mPages, page_size):
@@ -222,19 +228,21 @@ class SplitKVDecodeSm90:
         work = sched.initial_work()
         while work.is_valid:
             if work.seg_slot >= 0:
-                # q first: its loads need only the unit, so they are in flight with the cache length's
+                # the cache length and q need only the unit: both loads in flight at once, neither after the
+                # other's round trip
                 b0 = work.seq // num_kv_heads
+                row_length = mLens[b0]
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)   # the last tile's products read sQ
                 self.load_q(wtid, mQ, b0, work.seq - b0 * num_kv_heads, sQ)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
-                b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, C, C)
+                b, kv_head, kv0, kv_end, blocks, length = split_range(work, num_kv_heads, mLens, C, C, row_length)
                 row_max.fill(-Float32.inf)
                 row_sum.fill(0.0)
                 acc_o.fill(0.0)
                 stages = blocks
-                if cutlass.const_expr(self.first_block_ahead):   # the first block was loaded in any case
-                    stages = cutlass.max(blocks, 1)
+                if cutlass.const_expr(self.blocks_ahead):   # the blocks loaded ahead, in any case
+                    stages = cutlass.max(blocks, self.ahead(work))
                 for j in cutlass.range(stages, unroll=1):
                     load.consumer_wait(state)
                     if j < blocks:

@@ -21,7 +21,6 @@ Cells default to a few seed cells; TIME_OPS=gdn,kda picks the ops.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -180,12 +179,13 @@ def decode(arg):
             splits = ck.last_plan().splitlines()[1].split("; ")[-1] if name in ("default", "stream-k") or \
                 "waves" in name else ""
             line.append(f"{name} {rotated_graph_us(call, sets):.1f}" + (f" ({splits})" if splits else ""))
-        # the default plan with a deeper K / V ring (`DecodeConfig.stages`; the planner's is 2): more bytes in
-        # flight per CTA where DRAM's latency, not the L2's, sets how fast a CTA's blocks arrive
-        # (and one unsplit CTA per unit with the deepest ring: fewer splits, no merge, the same bytes in flight)
-        planned_config = dec.DecodeConfig
-        for stages, tag, sched in ((3, "", None), (4, "", None), (4, "1 split, ", SplitKVScheduler(num_splits=1))):
-            dec.DecodeConfig = functools.partial(planned_config, stages=stages)
+        # the default plan with its K / V ring forced to 2, 3 and 4 stages (`DecodeConfig.stages`; the planner's
+        # `ring_stages`): more bytes in flight per CTA where DRAM's latency, not the L2's, sets how fast a CTA's
+        # blocks arrive (and one unsplit CTA per unit with the deepest ring: no merge, the same bytes in flight)
+        planned_stages = dec.ring_stages
+        for stages, tag, sched in ((2, "", None), (3, "", None), (4, "", None),
+                                   (4, "1 split, ", SplitKVScheduler(num_splits=1))):
+            dec.ring_stages = lambda *_, n=stages: n
             dec._plans.clear()
             try:
                 call = lambda x, s=sched: ck.decode_attention(x["q"], x["k"], x["v"], lens, max_seqlen=L,  # noqa: E731
@@ -193,7 +193,7 @@ def decode(arg):
                 call(sets[0])
                 line.append(f"{tag}{stages} stages {rotated_graph_us(call, sets):.1f}")
             finally:
-                dec.DecodeConfig = planned_config
+                dec.ring_stages = planned_stages
                 dec._plans.clear()
         mask = None
         if ragged:

@@ -128,6 +128,16 @@ def test_longest_first_where_tiles_outnumber_the_cta_slots():
         DecodeConfig(persistent=True, longest_first=True)
 
 
+def test_long_splits_stream_through_a_deeper_ring():
+    """On the H100 / H200 a split of >= 1024 tokens gets a 3-stage K / V ring, a shorter one the 2-stage ring;
+    an unmeasured kind (SM100's kernel, or no kind) keeps 2 stages."""
+    for B, Hkv, L, stages in [(1, 8, 16384, 3), (16, 8, 32768, 3), (1, 8, 4096, 2), (16, 4, 512, 2), (64, 8, 1024, 3)]:
+        schedule, config, _ = dec.plan_decode(B, Hkv, 4, 1, L, False, False, 132, kind="H100")
+        assert config.stages == stages, (B, Hkv, L, schedule.plan.splits[0], config.stages)
+    for kind in ("SM100", None):
+        assert dec.plan_decode(16, 8, 4, 1, 32768, False, False, 148, kind=kind)[1].stages == 2
+
+
 @pytest.mark.parametrize("B, Hkv, L, splits, batch", [(4, 8, 4096, 4, 4), (1, 8, 4096, 16, 16), (1, 4, 4096, 32, 16),
                                                       (16, 4, 512, 2, 2), (64, 8, 4096, 1, 1), (2, 8, 4096, 8, 8)])
 def test_merge_batch_covers_the_planned_splits(B, Hkv, L, splits, batch):

@@ -30,6 +30,10 @@ PAGE_MULTIPLE = 16  # the kernel reads pages in 16-token boxes
 # to show, and the rows few enough for the ranking to be cheap (docs/design.md, "Units and the plan")
 LONGEST_FIRST_MIN_KV = 2048
 LONGEST_FIRST_MAX_ROWS = 256
+# per device kind: a split of at least this many tokens streams through a 3-stage ring (96 KB in flight, still two
+# CTAs per SM on SM90): a long split's time is its bytes over one CTA's bandwidth, which the bytes in flight set.
+# SM100's kernel keeps its ring (a deeper one leaves room for one CTA per SM).
+DEEP_RING_MIN_KV = {"H100": 1024, "H200": 1024}
 
 
 def validate(q, k_cache, v_cache, cache_seqlens, page_table, scale, softcap, max_seqlen):
@@ -99,7 +103,7 @@ def plan_decode(B: int, Hkv: int, group: int, Sq: int, bound: int, paged: bool, 
         scheduler = SplitKVScheduler(long_split_kv=LONG_SPLIT_KV.get(kind))
     if not isinstance(scheduler, (SplitKVScheduler, StreamKScheduler)):
         raise TypeError(f"scheduler must be a SplitKVScheduler or a StreamKScheduler, got {type(scheduler).__name__}")
-    key = (B, Hkv, group, Sq, bound, paged, softcap, sms, repr(scheduler))
+    key = (B, Hkv, group, Sq, bound, paged, softcap, sms, repr(scheduler), kind)
     hit = _plans.get(key)
     if hit is None:
         schedule = scheduler.schedule(decode_problem([bound] * B, Hkv, BLOCK_KV), sms, CTAS_PER_SM)
@@ -108,7 +112,8 @@ def plan_decode(B: int, Hkv: int, group: int, Sq: int, bound: int, paged: bool, 
             raise RuntimeError(f"internal: the split-KV plan of {B} rows x {Hkv} KV heads is not even: {schedule.plan}")
         config = DecodeConfig(group=group, q_len=Sq, paged=paged, softcap=softcap, persistent=schedule.persistent,
                               merge_batch=merge_batch(max(schedule.plan.splits)),
-                              longest_first=longest_first(schedule, B, bound, sms))
+                              longest_first=longest_first(schedule, B, bound, sms),
+                              stages=ring_stages(kind, bound, max(schedule.plan.splits)))
         if len(_plans) > 256:
             _plans.clear()
         hit = _plans[key] = (schedule, config, even)
@@ -124,6 +129,13 @@ def longest_first(schedule, B: int, bound: int, sms: int) -> bool:
         return False
     splits = max(schedule.plan.splits)
     return schedule.num_tiles > sms * CTAS_PER_SM and bound >= LONGEST_FIRST_MIN_KV * splits
+
+
+def ring_stages(kind: str | None, bound: int, splits: int) -> int:
+    """The K / V ring's depth (`DecodeConfig.stages`): 3 where device kind `kind` has a `DEEP_RING_MIN_KV` and a
+    split may hold that many tokens, else 2."""
+    deep = DEEP_RING_MIN_KV.get(kind)
+    return 3 if deep is not None and bound >= deep * splits else 2
 
 
 def explain_plan(schedule, config) -> str:

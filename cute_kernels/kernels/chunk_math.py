@@ -25,7 +25,7 @@ from .configs import GateForm
 C = 64        # chunk length (tokens)
 # fp32 Akk / X row stride (floats): 16-byte rows (4-float loads), 8 consecutive rows' loads on distinct banks.
 AKK_STRIDE = C + 4
-SOLVE_Y = 1024   # floats of the solve's product buffer (its level 32: a 32 x 32 tile)
+SOLVE_Y = 1024   # floats of the SM90 solve's scratch (the fp16 levels' four 32 x 8 fp16 warp slices take 512)
 Y_STRIDE = 40    # `solve_levels_mma`'s Y rows (padded: conflict-free fragment loads)
 SOLVE_Y_MMA = 32 * Y_STRIDE
 LOG2E = math.log2(math.e)
@@ -35,16 +35,17 @@ KDA_ANCHOR_LIMIT = ANCHOR_LIMIT_LOG2
 
 class ChunkMath:
     """Gates and the solve of one chunk, for a kernel's 256 consumer threads (`ctid`): `kda` (per-channel gates),
-    `solve_mma` (the solve's doubling levels on tf32 mma.sync, else CUDA cores), `gate` (`GateForm`: how g and
-    beta are read). Spec: `cute_kernels.reference` (blocked_solve.py for the solve)."""
+    `levels` (the operands of the solve's doubling levels on mma.sync: "fp16", m16n8k16 on four warps, or "tf32",
+    m16n8k8 on eight), `gate` (`GateForm`: how g and beta are read). Spec: `cute_kernels.reference`
+    (blocked_solve.py for the solve)."""
 
-    def __init__(self, io_dtype, kda: bool, solve_mma: bool = False, gate: GateForm = GateForm(),
-                 levels_f16: bool = False):
+    def __init__(self, io_dtype, kda: bool, levels: str, gate: GateForm = GateForm()):
+        if levels not in ("fp16", "tf32"):
+            raise ValueError(f"levels must be 'fp16' or 'tf32', got {levels!r}")
         self.io_dtype = io_dtype
         self.kda = kda
-        self.solve_mma = solve_mma
+        self.levels = levels
         self.gate = gate
-        self.levels_f16 = levels_f16
 
     # compile-time state only: nothing to carry through the kernels' dynamic loops
     def __extract_mlir_values__(self):
@@ -281,12 +282,10 @@ class ChunkMath:
                 if r > c:
                     sAkk[base + c, base + r] = x[r]
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        if cutlass.const_expr(self.levels_f16):
+        if cutlass.const_expr(self.levels == "fp16"):
             self.solve_levels_f16(ctid, sAkk, sY)
-        elif cutlass.const_expr(self.solve_mma):
-            self.solve_levels_mma(ctid, sAkk, sY)
         else:
-            self.solve_levels(ctid, sAkk, sY)
+            self.solve_levels_mma(ctid, sAkk, sY)
         # Xv, Xk in 16-bit: thread (r, i-group) writes columns [i0, i0 + 8) of row r; X[r, i] (i < r) is at [i, r].
         r = ctid % 64
         xb = cute.make_rmem_tensor((8,), Float32)
@@ -313,77 +312,6 @@ class ChunkMath:
                 for e in cutlass.range_constexpr(8):
                     yk[e] = io(xb[e] * fb[e])
                 cute.autovec_copy(yk, cute.local_tile(sXk[r, None], (8,), (cute.assume(i0, divby=8) // 8,)))
-
-    @cute.jit
-    def solve_levels(self, ctid, sAkk, sY):
-        """`solve_blocked`'s doubling levels h = 16, 32 on the CUDA cores (256 threads)."""
-        # Per level: Y = A_10 X_00 (-> sY), then X_10 = -(Y + X_11^strict Y), stored transposed above the diagonal.
-        sY16 = cute.make_tensor(sY.iterator, cute.make_layout((64, 16), stride=(16, 1)))   # h = 16: rows b0 + r
-        sY32 = cute.make_tensor(sY.iterator, cute.make_layout((32, 32), stride=(32, 1)))
-        part = cute.make_rmem_tensor((4, 4), Float32)   # (row j, s % 4)
-        a4 = cute.make_rmem_tensor((4, 4), Float32)     # (row j, s0 .. s0 + 3): A rows
-        x4 = cute.make_rmem_tensor((4,), Float32)
-        # h = 16: blocks (rows 16..31, cols 0..15), (48..63, 32..47), 128 threads each: rows 2 rr, 2 rr + 1 of col cc.
-        b0 = 32 * (ctid // 128)
-        b1 = b0 + 16
-        rr = (ctid % 128) // 16
-        cc = ctid % 16
-        part.fill(0.0)
-        for s0 in cutlass.range_constexpr(0, 16, 4):
-            self.load4(sAkk, b0 + cc, b0 + s0, x4)   # X_00[s, cc] sits transposed at [b0 + cc, b0 + s]
-            for e in cutlass.range_constexpr(4):
-                x4[e] = cutlass.select_(s0 + e < cc, Float32(0.0), x4[e])
-                x4[e] = cutlass.select_(s0 + e == cc, Float32(1.0), x4[e])
-            for j in cutlass.range_constexpr(2):
-                self.load4(sAkk, b1 + 2 * rr + j, b0 + s0, a4[j, None])
-            for j in cutlass.range_constexpr(2):
-                for e in cutlass.range_constexpr(4):
-                    part[j, e] = part[j, e] + a4[j, e] * x4[e]
-        for j in cutlass.range_constexpr(2):
-            sY16[b0 + 2 * rr + j, cc] = (part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3])
-        cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        part.fill(0.0)
-        for s in cutlass.range_constexpr(16):
-            # X_11[2 rr + j, s] sits transposed at [b1 + s, b1 + 2 rr + j]
-            cute.autovec_copy(cute.local_tile(sAkk[b1 + s, None], (2,), (cute.assume(b1 + 2 * rr, divby=2) // 2,)),
-                              cute.local_tile(x4, (2,), (0,)))
-            y = sY16[b0 + s, cc]
-            for j in cutlass.range_constexpr(2):
-                xv = cutlass.select_(s >= 2 * rr + j, Float32(0.0), x4[j])
-                part[j, s % 4] = part[j, s % 4] + xv * y
-        for j in cutlass.range_constexpr(2):
-            x4[j] = -sY16[b0 + 2 * rr + j, cc] - ((part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3]))
-        cute.autovec_copy(cute.local_tile(x4, (2,), (0,)),
-                          cute.local_tile(sAkk[b0 + cc, None], (2,), (cute.assume(b1 + 2 * rr, divby=2) // 2,)))
-        cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        # h = 32: rows 32..63 x cols 0..31, all 256 threads; thread (g, cc) owns rows 4 g .. 4 g + 3 of column cc.
-        g = ctid // 32
-        cc = ctid % 32
-        part.fill(0.0)
-        for s0 in cutlass.range_constexpr(0, 32, 4):
-            self.load4(sAkk, cc, s0, x4)
-            for e in cutlass.range_constexpr(4):
-                x4[e] = cutlass.select_(s0 + e < cc, Float32(0.0), x4[e])
-                x4[e] = cutlass.select_(s0 + e == cc, Float32(1.0), x4[e])
-            for j in cutlass.range_constexpr(4):
-                self.load4(sAkk, 32 + 4 * g + j, s0, a4[j, None])
-            for j in cutlass.range_constexpr(4):
-                for e in cutlass.range_constexpr(4):
-                    part[j, e] = part[j, e] + a4[j, e] * x4[e]
-        for j in cutlass.range_constexpr(4):
-            sY32[4 * g + j, cc] = (part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3])
-        cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        part.fill(0.0)
-        for s in cutlass.range_constexpr(32):
-            self.load4(sAkk, 32 + s, 32 + 4 * g, x4)   # X_11[4 g + j, s] sits transposed at [32 + s, 32 + 4 g + j]
-            y = sY32[s, cc]
-            for j in cutlass.range_constexpr(4):
-                xv = cutlass.select_(s >= 4 * g + j, Float32(0.0), x4[j])
-                part[j, s % 4] = part[j, s % 4] + xv * y
-        for j in cutlass.range_constexpr(4):
-            x4[j] = -sY32[4 * g + j, cc] - ((part[j, 0] + part[j, 1]) + (part[j, 2] + part[j, 3]))
-        cute.autovec_copy(x4, self.tile4(sAkk, cc, 32 + 4 * g))
-        cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
     @cute.jit
     def solve_levels_mma(self, ctid, sAkk, sY):

@@ -7,12 +7,12 @@ into the (unused) upper part, so A stays readable while X is built. X has a unit
   e_c; once x_i is final, every later row r takes x_r -= A[r, i] x_i. Rows above c stay 0 by construction.
 - Doubling levels h = 16, 32: each diagonal block of size 2 h is [[X_00, 0], [X_10, X_11]] with X_00, X_11 the
   inverses of its h-blocks (already built) and X_10 = -X_11 A_10 X_00, in two phases:
-  Y = A_10 X_00, then X_10 = -(Y + X_11^strict Y), each sum split into 4 partial sums by term index mod 4,
-  added as (p0 + p1) + (p2 + p3).
-`blocked_unit_lower_inverse` follows those steps on a torch buffer (vectorized over the threads of a step); with
-`operand="tf32"` it is the kernels' tensor-core levels (`solve_levels_mma`: tf32 operands rounded to nearest, the
-unit diagonal of X_11 in fp32, warp-level mma.sync since CuTe DSL has no tf32 wgmma op), with `operand="fp16"`
-`solve_levels_f16` (fp16 operands, Y rounded to fp16 only as the second product's operand).
+  Y = A_10 X_00, then X_10 = -(Y + X_11^strict Y).
+`blocked_unit_lower_inverse` follows those steps on a torch buffer (vectorized over the threads of a step). With
+`operand="fp16"` it is the SM90 kernels' levels (`ChunkMath.solve_levels_f16`: fp16 operands, Y rounded to fp16
+only as the second product's operand), with `operand="tf32"` SM100's (`solve_levels_mma`: tf32 operands rounded
+to nearest, warp-level mma.sync since CuTe DSL has no tf32 wgmma op); both keep X_11's unit diagonal in fp32.
+`operand="fp32"` is the exact-arithmetic form of the same steps (each sum in 4 partial sums by term index mod 4).
 `product_unit_lower_inverse` and `series_block_inverse` are alternative tensor-core forms, for accuracy tests.
 """
 
@@ -34,10 +34,10 @@ def _parts_sum(terms) -> torch.Tensor:
 def blocked_unit_lower_inverse(A: torch.Tensor, block: int = BLOCK, operand: str = "fp32") -> torch.Tensor:
     """(I + A)^-1 for strictly lower A [C, C] (C = block times a power of two), computed the kernels' way.
 
-    `operand` "fp32": the CUDA-core levels (4-way partial sums, in order). Otherwise the tensor-core levels of
-    `solve_levels_mma` (ChunkPrepSm90(solve_mma=True)): Y = A_10 X_00 and Z = X_11^strict Y on
-    `round_operand(., operand)` inputs with fp32 accumulation, X_10 = -(Y + Z) (the unit diagonal of X_11 in fp32;
-    the order of the tensor cores' sums is not modelled)."""
+    `operand` "fp32": the levels in fp32 (4-way partial sums, in order). Otherwise the tensor-core levels
+    ("fp16": SM90's `solve_levels_f16`; "tf32": SM100's `solve_levels_mma`): Y = A_10 X_00 and Z = X_11^strict Y
+    on `round_operand(., operand)` inputs with fp32 accumulation, X_10 = -(Y + Z) (the unit diagonal of X_11 in
+    fp32; the order of the tensor cores' sums is not modelled)."""
     C = A.shape[0]
     nb = C // block
     buf = torch.tril(A, -1).clone()

@@ -89,7 +89,7 @@ class ChunkedForwardSm100:
         self.outputs = config.mode != "summary"
         self.has_initial_state = config.initial_state
         self.store_final_state = config.final_state
-        self.math = ChunkMath(io_dtype, config.kda, solve_mma=True, gate=config.gate)
+        self.math = ChunkMath(io_dtype, config.kda, "tf32", gate=config.gate)
         self.num_stages = 1 if config.kda else NUM_STAGES
         self.tmem = fused_kda_tmem_plan() if config.kda else fused_tmem_plan()
         self.tma_bytes = 3 * C * D * io_dtype.width // 8

@@ -27,16 +27,15 @@ HALF = 64     # V columns owned by one consumer warpgroup
 
 class ChunkLocalSm90:
     """A chunk's local work: `io_dtype` (16-bit operands), `kda` (per-channel gates), `outputs` (whether Aqk is
-    formed: the fused summary mode needs none), `solve_mma` (solve levels on tf32 tensor cores, else CUDA cores);
-    `math` (`ChunkMath`) holds the gates and the solve. Methods run on the 256 consumer threads (`ctid`) or one
+    formed: the fused summary mode needs none); `math` (`ChunkMath`) holds the gates and the solve, its doubling
+    levels on fp16 mma.sync. Methods run on the 256 consumer threads (`ctid`) or one
     consumer warpgroup (`wtid`, consumer `j`)."""
 
-    def __init__(self, io_dtype, kda: bool, outputs: bool = True, solve_mma: bool = False, gate: GateForm = GateForm()):
+    def __init__(self, io_dtype, kda: bool, outputs: bool = True, gate: GateForm = GateForm()):
         self.io_dtype = io_dtype
         self.kda = kda
         self.outputs = outputs
-        self.solve_mma = solve_mma
-        self.math = ChunkMath(io_dtype, kda, solve_mma, gate, levels_f16=True)
+        self.math = ChunkMath(io_dtype, kda, "fp16", gate)
 
     # compile-time state only: nothing to carry through the kernels' dynamic loops
     def __extract_mlir_values__(self):

@@ -14,7 +14,7 @@ from schedulers.device import TileScheduler
 
 from ..configs import PrepConfig
 from . import wgmma_tiles as wt
-from ..chunk_math import AKK_STRIDE, SOLVE_Y, SOLVE_Y_MMA, C
+from ..chunk_math import AKK_STRIDE, SOLVE_Y, C
 from .chunk_local import HALF, ChunkLocalSm90
 
 
@@ -61,8 +61,7 @@ class ChunkPrepSm90:
         self.tma_store = config.tma_store
         self.publish = config.publish
         self.pdl = config.pdl
-        self.local = ChunkLocalSm90(io_dtype, config.kda, outputs=True, solve_mma=config.kda or self.compact,
-                                    gate=config.gate)
+        self.local = ChunkLocalSm90(io_dtype, config.kda, outputs=True, gate=config.gate)
         self.load_v = not self.folded
         self.tma_bytes = (2 if self.folded else 3) * C * 128 * io_dtype.width // 8
         # GDN's solved build: a 2-stage q/k/v ring; the others one stage (no shared memory left for a second)
@@ -126,7 +125,6 @@ class ChunkPrepSm90:
         """The compact build (GDN's folded terms, 2 or 3 CTAs per SM): one q/k/v stage; W2 and A1 staged in sK and
         sV; at 3 per SM sAkk lies over sQ and the 1 KB after it, sY over sXk."""
         io = self.io_dtype
-        n_y = SOLVE_Y_MMA if self.local.solve_mma else SOLVE_Y
 
         @cute.struct
         class CompactStorage:
@@ -138,7 +136,7 @@ class ChunkPrepSm90:
             sXv: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
             sAqk: cute.struct.Align[cute.struct.MemRange[io, C * C], 1024]
             sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * AKK_STRIDE], 16]
-            sY: cute.struct.Align[cute.struct.MemRange[Float32, n_y], 16]
+            sY: cute.struct.Align[cute.struct.MemRange[Float32, SOLVE_Y], 16]
             sG: cute.struct.MemRange[Float32, C]
             sEG: cute.struct.MemRange[Float32, C]
             sEGL: cute.struct.MemRange[Float32, C]
@@ -170,7 +168,6 @@ class ChunkPrepSm90:
         """KDA (row-anchored): the fields KDA's phase 1 reads, plus L_q, the right factors of bands 1-3 (band 0 in
         sVnew, u's staging later) and sC [10, 128] (see `kda_gates`)."""
         io = self.io_dtype
-        n_y = SOLVE_Y_MMA if self.local.solve_mma else SOLVE_Y
 
         @cute.struct
         class RowsStorage:
@@ -188,7 +185,7 @@ class ChunkPrepSm90:
             sR2: cute.struct.Align[cute.struct.MemRange[io, 32 * 128], 1024]
             sR3: cute.struct.Align[cute.struct.MemRange[io, 16 * 128], 1024]
             sAkk: cute.struct.Align[cute.struct.MemRange[Float32, C * AKK_STRIDE], 16]
-            sY: cute.struct.Align[cute.struct.MemRange[Float32, n_y], 16]
+            sY: cute.struct.Align[cute.struct.MemRange[Float32, SOLVE_Y], 16]
             sG: cute.struct.MemRange[Float32, C]
             sEG: cute.struct.MemRange[Float32, C]
             sEGL: cute.struct.MemRange[Float32, C]
@@ -316,15 +313,14 @@ class ChunkPrepSm90:
             sFlag = st.sFlag.get_tensor(cute.make_layout(4))
         sXv = local.view(st.sXv, C, C)[None, None, 0]
         sAqk = local.view(st.sAqk, C, C)[None, None, 0]
-        n_y = SOLVE_Y_MMA if self.local.solve_mma else SOLVE_Y
         if cutlass.const_expr(self.three_per_sm):
             # q is dead once step 1's products have read it (the folded build writes no qg); X is dead after step 3
             sAkk = cute.make_tensor(cute.recast_ptr(st.sQ.data_ptr(), dtype=Float32),
                                     cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
-            sY = cute.make_tensor(cute.recast_ptr(st.sXk.data_ptr(), dtype=Float32), cute.make_layout(n_y))
+            sY = cute.make_tensor(cute.recast_ptr(st.sXk.data_ptr(), dtype=Float32), cute.make_layout(SOLVE_Y))
         else:
             sAkk = st.sAkk.get_tensor(cute.make_layout((C, C), stride=(AKK_STRIDE, 1)))
-            sY = st.sY.get_tensor(cute.make_layout(n_y))
+            sY = st.sY.get_tensor(cute.make_layout(SOLVE_Y))
         sG = st.sG.get_tensor(cute.make_layout(C))
         sEG = st.sEG.get_tensor(cute.make_layout(C))
         sEGL = st.sEGL.get_tensor(cute.make_layout(C))

@@ -53,8 +53,7 @@ class ChunkedForwardSm90:
         self.has_initial_state = config.initial_state
         self.store_final_state = config.final_state
         self.persistent = config.persistent
-        self.local = ChunkLocalSm90(io_dtype, config.kda, outputs=config.mode != "summary", solve_mma=False,
-                                    gate=config.gate)
+        self.local = ChunkLocalSm90(io_dtype, config.kda, outputs=config.mode != "summary", gate=config.gate)
         # KDA keeps G [64 x 128] fp32 in smem: only one q/k/v stage then fits.
         self.num_stages = 1 if config.kda else NUM_STAGES
         self.num_threads = 384

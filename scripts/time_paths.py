@@ -16,7 +16,7 @@ beside it); prints one line each, as it goes.
                                                         # l2norm in the kernel, GVA 2) on tensor cores and
                                                         # token by token, whatever the planner's rule
 
-Cells default to a few seed cells; TIME_OPS=gdn,kda picks the ops.
+Cells default to a few seed cells; TIME_OPS=gdn,kda picks the ops, TIME_PATHS=fused,auto the paths of `paths`.
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ def paths(arg):
             x = inputs(B, T, H, kda)
             line = []
             for name, opt in options.items():
+                if name not in os.environ.get("TIME_PATHS", "fused,two_phase,overlap,auto").split(","):
+                    continue
                 call = lambda opt=opt: la.forward(*x, None, None, False, None, False, None, None,  # noqa: E731
                                                   kda=kda, options=opt)
                 call()
